@@ -1,0 +1,192 @@
+"""The config schema: one tree of dataclasses, keys shaped like verl's.
+
+YAML files in configs/ and command-line dotlist overrides are merged onto
+these defaults by `hybridflow.config.load`; an unknown key fails there with
+the nearest valid key. Workers receive their own sub-tree (e.g. ActorConfig).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    seed: int = 1
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_scheduler: str = "constant"  # constant | linear | cosine
+    min_lr_ratio: float = 0.0
+    total_training_steps: int = -1  # filled in by the trainer
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # an HF directory: config.json, *.safetensors, tokenizer files
+    tokenizer_path: str | None = None
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+
+
+@dataclass
+class ActorConfig:
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = 8  # in prompts, before rollout.n
+    ppo_micro_batch_size_per_gpu: int = 4
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # kl(k1) | abs | mse(k2) | low_var_kl(k3)
+
+
+@dataclass
+class RefConfig:
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    log_prob_micro_batch_size_per_gpu: int = 8
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"  # vllm | hf
+    tensor_model_parallel_size: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    response_length: int = 32  # max new tokens
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int = 0
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    log_prob_micro_batch_size_per_gpu: int = 8
+    reshard_bucket_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = None  # None: on when algorithm.adv_estimator needs values (gae)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int = 8
+    ppo_micro_batch_size_per_gpu: int = 4
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    micro_batch_size_per_gpu: int = 8
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str | None = None
+    name: str = "compute_score"
+    timeout_s: float = 5.0
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"  # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # kl | abs | mse | low_var_kl
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 64
+    max_response_length: int = 32
+    train_batch_size: int = 8  # prompts per step
+    shuffle: bool = True
+    seed: int = 1
+    filter_overlong_prompts: bool = True
+    apply_chat_template: bool = True
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # None: start a local cluster
+    num_cpus: int | None = None
+    include_dashboard: bool = False
+    object_store_memory: int | None = 2 * 1024**3
+    timeout_s: float = 600.0  # every blocking wait on workers
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "hybridflow"
+    experiment_name: str = "demo"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    nnodes: int = 1
+    n_gpus_per_node: int = 2  # on CPU: worker processes per node
+    device: str = "auto"  # auto | cpu | cuda
+    total_epochs: int = 1
+    total_training_steps: int | None = None
+    save_freq: int = -1
+    max_ckpt_to_keep: int | None = 2
+    resume_mode: str = "auto"  # auto | disable | <path>
+    default_local_dir: str = "runs/${trainer.experiment_name}"
+    placement: str = "colocate"  # colocate | split
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass
+class HybridFlowConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

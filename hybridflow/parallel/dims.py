@@ -1,0 +1,130 @@
+"""The one source of truth for parallel layouts.
+
+Every other module (worker groups, Megatron init, the resharding planner,
+the rollout engine) derives its view of the mesh from these two dataclasses
+instead of keeping its own copy of tp/pp/dp numbers.
+
+Validation happens here, at config time, so that bad layouts fail with the
+numbers in the message before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work for this world size or model."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few model numbers that constrain a parallel layout."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> ModelShape:
+        """Accepts a transformers config object or a plain dict from config.json."""
+        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+        heads = get("num_attention_heads")
+        return cls(
+            num_layers=get("num_hidden_layers"),
+            hidden_size=get("hidden_size"),
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads") or heads,
+            ffn_hidden_size=get("intermediate_size"),
+            vocab_size=get("vocab_size"),
+        )
+
+
+def _check_divides(what: str, n: int, by_name: str, by: int) -> None:
+    if by <= 0 or n % by != 0:
+        raise LayoutError(f"{by_name}={by} does not divide {what}={n}")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Training layout: tensor (t), pipeline (p), data (d) and context (cp) parallel sizes.
+
+    Rank order follows Megatron's default 'tp-cp-ep-dp-pp': tp varies fastest,
+    pp slowest. `coords(rank)` is the single implementation of that order.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    sp: bool = False  # sequence parallel (needs tp > 1 to mean anything)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    def validate(self, world_size: int | None = None, model: ModelShape | None = None) -> ParallelDims:
+        for name in ("tp", "pp", "dp", "cp"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name}={getattr(self, name)} must be >= 1")
+        if world_size is not None and world_size != self.world_size:
+            raise LayoutError(
+                f"world size {world_size} != tp*pp*dp*cp = {self.tp}*{self.pp}*{self.dp}*{self.cp} = {self.world_size}"
+            )
+        if self.sp and self.tp == 1:
+            raise LayoutError("sequence_parallel=True needs tp > 1 (got tp=1)")
+        if model is not None:
+            _check_divides("num_attention_heads", model.num_heads, "tp", self.tp)
+            _check_divides("num_key_value_heads", model.num_kv_heads, "tp", self.tp)
+            _check_divides("intermediate_size", model.ffn_hidden_size, "tp", self.tp)
+            _check_divides("num_hidden_layers", model.num_layers, "pp", self.pp)
+        return self
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """(tp, cp, dp, pp) coordinates of a global rank, tp fastest (Megatron's default order)."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} outside world of size {self.world_size}")
+        tp = rank % self.tp
+        rest = rank // self.tp
+        cp = rest % self.cp
+        rest //= self.cp
+        dp = rest % self.dp
+        pp = rest // self.dp
+        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+
+@dataclass(frozen=True)
+class GenerationDims:
+    """Rollout layout: generation tensor parallel t_g, with p_g = 1 (as in the paper's Table 2).
+
+    The number of generation replicas (micro-DP * d) follows from the world size.
+    """
+
+    tp: int = 1
+
+    def replicas(self, world_size: int) -> int:
+        return world_size // self.tp
+
+    def validate(self, train: ParallelDims, model: ModelShape | None = None) -> GenerationDims:
+        t_g, tp_total = self.tp, train.tp * train.pp
+        if t_g < 1:
+            raise LayoutError(f"rollout tensor_model_parallel_size={t_g} must be >= 1")
+        if t_g > train.world_size:
+            raise LayoutError(f"rollout tp={t_g} needs more ranks than the world size {train.world_size}")
+        if train.world_size % t_g != 0:
+            raise LayoutError(f"rollout tp={t_g} does not divide the world size {train.world_size}")
+        if tp_total % t_g != 0 and t_g % tp_total != 0:
+            raise LayoutError(
+                f"rollout tp={t_g} neither divides nor is a multiple of training t*p={train.tp}*{train.pp}={tp_total}"
+            )
+        if model is not None:
+            _check_divides("num_attention_heads", model.num_heads, "rollout tp", t_g)
+            _check_divides("num_key_value_heads", model.num_kv_heads, "rollout tp", t_g)
+            _check_divides("intermediate_size", model.ffn_hidden_size, "rollout tp", t_g)
+        return self
