@@ -1,0 +1,178 @@
+"""The project's own tiny models and character-level tokenizer, built offline.
+
+There is no hub access on our machines, so every test, example and benchmark
+creates its model here: a randomly initialised Llama or Qwen2 in a normal
+Hugging Face directory that transformers, vLLM and our Megatron loader all read
+the same way. A character-level tokenizer keeps the vocabulary under 128 ids,
+so the embedding is small and a tiny model can learn string tasks quickly.
+
+CLI: python -m hybridflow.models.tiny --out DIR --preset tiny --arch llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import string
+
+# Special tokens come first so their ids are stable whatever the alphabet: pad
+# must differ from bos (HF and vLLM treat a pad==bos prompt start ambiguously).
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK, *ROLE_TOKENS.values()]
+# Printable ASCII minus the whitespace controls, plus space and newline.
+CHARACTERS = list(string.digits + string.ascii_letters + string.punctuation + " \n")
+
+# One turn is `<|role|>content</s>`; the generation prompt is `<|assistant|>`, so the
+# model answers right after it and stops on eos, the token vLLM and HF stop on.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>"
+    "{% elif message['role'] == 'user' %}<|user|>"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>"
+    "{% else %}{{ raise_exception('unknown chat role: ' + message['role']) }}{% endif %}"
+    "{{ message['content'] }}{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# Shapes use Hugging Face config keys so overrides read the same as config.json.
+PRESETS: dict[str, dict[str, int]] = {
+    # kv heads 2: TP in {1, 2}; pass num_key_value_heads=4 for TP=4.
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128),
+    "tiny4l": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=256),
+    # ~18M parameters; TP in {1, 2, 4}
+    "small": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=1408),
+    # ~50M parameters; TP in {1, 2, 4}
+    "medium": dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                   intermediate_size=2048),
+}
+# Config keys, beyond the preset shape, that callers may override.
+EXTRA_KEYS = {
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+}
+ARCHS = ("llama", "qwen2")  # qwen2 = llama + bias on q/k/v projections
+
+
+def build_tokenizer():
+    """A character-level PreTrainedTokenizerFast with chat roles and a chat template.
+
+    A BPE model with no merges is exactly character-level: every known character
+    is one token, anything else is <unk>. The Fuse decoder joins pieces without
+    the spaces a bare tokenizer would insert, so decode(encode(s)) == s.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.decoder = decoders.Fuse()
+    # Registering the specials makes `<|user|>` in text one token, not nine characters.
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_TOKENS.values()),
+        clean_up_tokenization_spaces=False,  # would turn " ." into "." and break round-trips
+        model_max_length=EXTRA_KEYS["max_position_embeddings"],
+        padding_side="left",  # prompts are left-padded for generation
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _model_config(arch: str, preset: str, vocab_size: int, tok, overrides: dict):
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    settings = {**PRESETS[preset], **EXTRA_KEYS}
+    unknown = sorted(set(overrides) - set(settings))
+    if unknown:
+        raise ValueError(f"unknown override(s) {unknown}; allowed: {sorted(settings)}")
+    settings.update(overrides)
+    heads, hidden = settings["num_attention_heads"], settings["hidden_size"]
+    if hidden % heads or heads % settings["num_key_value_heads"]:
+        raise ValueError(
+            f"hidden_size={hidden} must be divisible by num_attention_heads={heads}, which must be divisible by "
+            f"num_key_value_heads={settings['num_key_value_heads']}"
+        )
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_act="silu",
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        dtype="float32",
+        **settings,
+    )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    from transformers import Qwen2Config
+
+    return Qwen2Config(use_sliding_window=False, **common)
+
+
+def save_tiny_model(out_dir, preset: str = "tiny", arch: str = "llama", seed: int = 0, **overrides) -> pathlib.Path:
+    """Write a randomly initialised (seeded) HF model + tokenizer directory and return its path.
+
+    vocab_size is len(tokenizer), unpadded: Megatron pads the vocabulary for TP by itself.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = pathlib.Path(out_dir)
+    tok = build_tokenizer()
+    config = _model_config(arch, preset, len(tok), tok, overrides)
+    # Seed a private generator state so the weights depend only on `seed`, and leave the
+    # caller's global RNG as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "hybridflow_tiny.json").write_text(json.dumps({"preset": preset, "arch": arch, "seed": seed,
+                                                          "overrides": overrides}, indent=1) + "\n")
+    return out
+
+
+def _parse_override(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"override {text!r} must look like key=value")
+    return key, json.loads(value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--arch", default="llama", choices=ARCHS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", dest="overrides", action="append", type=_parse_override, default=[],
+                   help="config override as key=json_value, e.g. --set tie_word_embeddings=true")
+    args = p.parse_args(argv)
+    out = save_tiny_model(args.out, args.preset, args.arch, args.seed, **dict(args.overrides))
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
