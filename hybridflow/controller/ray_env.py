@@ -1,0 +1,50 @@
+"""Starting or joining Ray with defaults that suit one machine and do not surprise a cluster.
+
+Single machine: bind to loopback, no dashboard unless asked (then on
+127.0.0.1), temp dir under the run directory, usage stats off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, include_dashboard: bool = False,
+             object_store_memory: int | None = 2 * 1024**3, run_dir: str | os.PathLike = "runs",
+             env_vars: dict | None = None):
+    """Start a local cluster (address=None) or join one ("auto" or host:port)."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return ray.get_runtime_context()
+    runtime_env = {"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **(env_vars or {})}}
+    if address:
+        log.info("joining Ray cluster at %s", address)
+        return ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    # Ray's unix sockets must fit in 107 bytes, so keep the temp dir short and absolute.
+    tmp = Path(os.environ.get("RAY_TMPDIR") or Path(run_dir).resolve() / "ray")
+    if len(str(tmp)) > 60:
+        tmp = Path("/tmp") / f"hf_ray_{os.getuid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    # A stale "current cluster" marker makes the next init try to join a dead cluster.
+    stale = tmp / "ray_current_cluster"
+    if stale.exists():
+        stale.unlink()
+    kwargs = dict(
+        num_cpus=num_cpus,
+        include_dashboard=include_dashboard,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=str(tmp),
+        runtime_env=runtime_env,
+        object_store_memory=object_store_memory,
+        log_to_driver=True,
+    )
+    if include_dashboard:
+        kwargs["dashboard_host"] = "127.0.0.1"
+    log.info("starting local Ray (num_cpus=%s, temp dir %s)", num_cpus, tmp)
+    return ray.init(**kwargs)

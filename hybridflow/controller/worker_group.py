@@ -1,0 +1,200 @@
+"""RayWorkerGroup: one Ray actor per rank, methods bound so the driver calls each once.
+
+    pool = ResourcePool("actor", [4])
+    group = RayWorkerGroup(pool, MyWorker, role="actor")
+    out = group.compute(batch)           # dispatched per the method's @register tag
+    fut = group.compute.remote(batch)     # a GroupFuture; pass it to another group's method
+
+A fused group hosts several roles in each actor process:
+    group = RayWorkerGroup(pool, roles={"actor": (ActorCls, (), {}), "ref": (RefCls, (), {})})
+    group.actor.update(batch); group.ref.compute_ref(batch)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from hybridflow.controller.decorator import Execute, MethodSpec, registered_methods
+from hybridflow.controller.dispatch import DispatchContext, MeshCoords, get_mode, needs_mesh
+from hybridflow.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
+from hybridflow.controller.futures import GroupFuture
+from hybridflow.controller.worker import WorkerHost, probe_master
+
+
+class _BoundMethod:
+    def __init__(self, group: RayWorkerGroup, role: str, name: str, spec: MethodSpec):
+        self._group, self._role, self._name, self._spec = group, role, name, spec
+        self.__name__ = name
+
+    def __call__(self, *args, **kwargs):
+        fut = self.remote(*args, **kwargs)
+        return fut.get() if self._spec.blocking else fut
+
+    def remote(self, *args, **kwargs) -> GroupFuture:
+        return self._group._execute(self._role, self._name, self._spec, args, kwargs)
+
+
+class _RoleView:
+    """`group.<role>` in a fused group: that role's bound methods."""
+
+    def __init__(self, group: RayWorkerGroup, role: str, cls):
+        for name, spec in registered_methods(cls).items():
+            setattr(self, name, _BoundMethod(group, role, name, spec))
+
+
+class RayWorkerGroup:
+    def __init__(self, pool, worker_cls=None, args: Sequence = (), kwargs: dict | None = None, *,
+                 role: str = "worker", roles: dict | None = None, env: dict | None = None,
+                 timeout_s: float = 600.0, max_concurrency: int = 1):
+        import ray
+
+        if (worker_cls is None) == (roles is None):
+            raise ValueError("give either worker_cls (one role) or roles={name: (cls, args, kwargs)} (fused)")
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.fused = roles is not None
+        self.roles = dict(roles) if roles is not None else {role: (worker_cls, tuple(args), dict(kwargs or {}))}
+        self.role = "+".join(self.roles)
+        self._mesh_cache: dict[tuple[str, str], list[MeshCoords]] = {}
+
+        slots = pool.slots()
+        self.world_size = len(slots)
+        first = slots[0]
+        strategy = self._strategy(first)
+        addr, port = self._get(ray.remote(num_cpus=0)(probe_master).options(scheduling_strategy=strategy).remote(),
+                               "probe_master")
+        self.master_addr, self.master_port = addr, port
+
+        host_cls = ray.remote(WorkerHost)
+        per_node = {}
+        for s in slots:
+            per_node[s.node_index] = per_node.get(s.node_index, 0) + 1
+        self._hosts = []
+        for rank, slot in enumerate(slots):
+            renv = {
+                "RANK": rank, "WORLD_SIZE": self.world_size, "LOCAL_RANK": slot.local_rank,
+                "LOCAL_WORLD_SIZE": per_node[slot.node_index], "MASTER_ADDR": addr, "MASTER_PORT": port,
+                "HYBRIDFLOW_ROLE": self.role,
+                # One BLAS/OMP thread per process unless told otherwise: on CPU, ranks share the cores.
+                "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1"),
+                **(env or {}),
+            }
+            opts = dict(pool.actor_resources(), scheduling_strategy=self._strategy(slot), max_restarts=0,
+                        max_concurrency=max_concurrency, name=None)
+            self._hosts.append(host_cls.options(**opts).remote(renv, self.roles))
+        # Construction errors surface here, naming the rank.
+        self._wait("__init__", [h.ping.remote() for h in self._hosts], list(range(self.world_size)), None,
+                   raw=True)
+
+        if self.fused:
+            for name, (cls, _, _) in self.roles.items():
+                setattr(self, name, _RoleView(self, name, cls))
+        else:
+            (name, (cls, _, _)), = self.roles.items()
+            for mname, spec in registered_methods(cls).items():
+                setattr(self, mname, _BoundMethod(self, name, mname, spec))
+
+    @staticmethod
+    def _strategy(slot):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=slot.pg, placement_group_bundle_index=slot.bundle_index)
+
+    def _get(self, ref, what: str):
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerTimeoutError(self.role, what, [0], self.timeout_s) from None
+
+    # ---- calls -------------------------------------------------------------------------------------------------
+    def mesh(self, role: str, mesh: str) -> list[MeshCoords]:
+        key = (role, mesh)
+        if key in self._mesh_cache:
+            return self._mesh_cache[key]
+        answers = self._wait("get_mesh_coords", [h.mesh_coords.remote(role, mesh) for h in self._hosts],
+                             list(range(self.world_size)), None, raw=True)
+        coords = [c for c, _ in answers]
+        if all(explicit for _, explicit in answers):  # set by the workers: fixed for the group's life
+            self._mesh_cache[key] = coords
+        return coords
+
+    def _execute(self, role: str, name: str, spec: MethodSpec, args, kwargs) -> GroupFuture:
+        import ray
+
+        dispatch_fn, collect_fn = get_mode(spec.dispatch)
+        ctx = DispatchContext(self.world_size, self.mesh(role, spec.mesh) if needs_mesh(spec.dispatch) else [])
+        calls = dispatch_fn(ctx, args, kwargs)
+        if spec.execute == Execute.RANK_ZERO:
+            calls = [calls[0]] + [None] * (self.world_size - 1)
+        put_cache: dict[int, object] = {}
+
+        def put(v):
+            # Each distinct batch goes into the object store once, however many ranks read it.
+            if hasattr(v, "batch") and hasattr(v, "chunk"):
+                if id(v) not in put_cache:
+                    put_cache[id(v)] = ray.put(v)
+                return put_cache[id(v)]
+            return v
+
+        refs, ranks = [], []
+        for rank, call in enumerate(calls):
+            if call is None:
+                continue
+            a, kw = call
+            refs.append(self._hosts[rank].call.remote(role, name, tuple(put(x) for x in a),
+                                                      {k: put(v) for k, v in kw.items()}))
+            ranks.append(rank)
+
+        def collect(outputs):
+            full = [None] * self.world_size
+            for r, o in zip(ranks, outputs, strict=True):
+                full[r] = o
+            return collect_fn(ctx, full)
+
+        if ctx.mesh:
+            owner = {ctx.mesh[r].dp_rank: ref for r, ref in zip(ranks, refs, strict=True) if ctx.mesh[r].is_collect}
+            collect_refs = [owner[d] for d in sorted(owner)]
+        else:
+            collect_refs = list(refs)
+        return GroupFuture(self, f"{role}.{name}", refs, ranks, collect, collect_refs)
+
+    def _wait(self, method: str, refs: list, ranks: list[int], timeout_s: float | None, raw: bool = False):
+        """Wait for every rank; the first failure is raised at once, naming role and rank."""
+        import ray
+
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        rank_of = {ref: r for ref, r in zip(refs, ranks, strict=True)}
+        results, pending = {}, list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerTimeoutError(self.role, method, sorted(rank_of[p] for p in pending), timeout_s)
+            ref = ready[0]
+            rank = rank_of[ref]
+            try:
+                value = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                raise WorkerDiedError(self.role, rank, method, type(e).__name__) from None
+            except ray.exceptions.RayTaskError as e:
+                raise WorkerError(self.role, rank, method, str(e)) from None
+            if not raw:
+                status, value = value
+                if status != "ok":
+                    raise WorkerError(self.role, rank, method, value)
+            results[ref] = value
+        return [results[r] for r in refs]
+
+    def kill(self) -> None:
+        import ray
+
+        for h in self._hosts:
+            ray.kill(h, no_restart=True)
+        self._hosts.clear()
+
+    def host(self, rank: int):
+        """The Ray actor handle of one rank (for tests and fault injection)."""
+        return self._hosts[rank]
