@@ -38,11 +38,18 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+# vLLM's CPU attention kernels exist only for these head sizes ("Unsupported CPU attention
+# configuration: head_dim=16" otherwise), and every rollout goes through vLLM.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
 # Shapes use Hugging Face config keys so overrides read the same as config.json.
 PRESETS: dict[str, dict[str, int]] = {
+    # hidden 64 / 4 heads would give head_dim 16, which vLLM-cpu cannot run, so head_dim is
+    # set explicitly: attention is 4 x 32 = 128 wide on a 64-wide residual stream (like Qwen3
+    # or Gemma). Code must read head_dim from config.json, not derive hidden_size // heads.
     # kv heads 2: TP in {1, 2}; pass num_key_value_heads=4 for TP=4.
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128),
+                 intermediate_size=128, head_dim=32),
     "tiny4l": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=256),
     # ~18M parameters; TP in {1, 2, 4}
@@ -54,6 +61,7 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 # Config keys, beyond the preset shape, that callers may override.
 EXTRA_KEYS = {
+    "head_dim": None,  # None: hidden_size // num_attention_heads
     "tie_word_embeddings": False,
     "max_position_embeddings": 2048,
     "rope_theta": 10000.0,
@@ -98,17 +106,22 @@ def _model_config(arch: str, preset: str, vocab_size: int, tok, overrides: dict)
         raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    settings = {**PRESETS[preset], **EXTRA_KEYS}
+    settings = {**EXTRA_KEYS, **PRESETS[preset]}
     unknown = sorted(set(overrides) - set(settings))
     if unknown:
         raise ValueError(f"unknown override(s) {unknown}; allowed: {sorted(settings)}")
     settings.update(overrides)
-    heads, hidden = settings["num_attention_heads"], settings["hidden_size"]
-    if hidden % heads or heads % settings["num_key_value_heads"]:
-        raise ValueError(
-            f"hidden_size={hidden} must be divisible by num_attention_heads={heads}, which must be divisible by "
-            f"num_key_value_heads={settings['num_key_value_heads']}"
-        )
+    heads, kv_heads, hidden = settings["num_attention_heads"], settings["num_key_value_heads"], settings["hidden_size"]
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads={heads} must be divisible by num_key_value_heads={kv_heads}")
+    if settings.get("head_dim") is None:
+        if hidden % heads:
+            raise ValueError(f"hidden_size={hidden} must be divisible by num_attention_heads={heads} "
+                             "(or pass head_dim explicitly)")
+        settings["head_dim"] = hidden // heads
+    if settings["head_dim"] not in VLLM_CPU_HEAD_SIZES:
+        raise ValueError(f"head_dim={settings['head_dim']} (hidden_size={hidden} / heads={heads}) is not one vLLM's "
+                         f"CPU attention supports: {VLLM_CPU_HEAD_SIZES}; pass head_dim explicitly")
     common = dict(
         vocab_size=vocab_size,
         hidden_act="silu",
