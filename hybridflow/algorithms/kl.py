@@ -1,0 +1,111 @@
+"""Per-token KL estimators, KL-coefficient controllers, and the in-reward KL penalty.
+
+The estimators follow Schulman's "Approximating KL Divergence" note, for KL(pi || ref)
+sampled from pi, with d = log_prob - ref_log_prob:
+  k1 ("kl"):          d                        unbiased, high variance, can be negative
+  "abs":              |d|
+  k2 ("mse"):         0.5 * d^2                biased, low variance
+  k3 ("low_var_kl"):  exp(-d) - 1 + d          unbiased, always >= 0
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms.masked import masked_mean, require_same_shape
+from hybridflow.config.schema import KLCtrlConfig
+
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+
+# k3 of a token whose log-ratio is far off is exp(huge); clamping keeps one bad token
+# from dominating the batch (the customary bound).
+_K3_LOG_RATIO_CLAMP = 20.0
+_K3_CLAMP = 10.0
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate; same shape as the inputs."""
+    require_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
+    d = log_prob - ref_log_prob
+    if kind in ("kl", "k1"):
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * d.square()
+    if kind in ("low_var_kl", "k3"):
+        neg = (-d).clamp(-_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)
+        return (torch.exp(neg) - neg - 1.0).clamp(-_K3_CLAMP, _K3_CLAMP)
+    close = difflib.get_close_matches(kind, KL_KINDS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"unknown kl penalty kind {kind!r}{hint} valid: {', '.join(KL_KINDS)}")
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """Proportional controller of Ziegler et al. 2019 (Fine-Tuning LMs from Human Preferences, sec. 2.2).
+
+    e = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon).
+    The clip keeps one outlier batch from moving beta by more than 0.2 * n_steps / horizon.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"adaptive KL needs target_kl > 0 and horizon > 0, got {target_kl} and {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+KLController = FixedKLController | AdaptiveKLController
+
+
+def make_kl_controller(cfg: KLCtrlConfig) -> KLController:
+    if cfg.type == "fixed":
+        return FixedKLController(cfg.kl_coef)
+    if cfg.type == "adaptive":
+        return AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon)
+    raise ValueError(f"unknown algorithm.kl_ctrl.type {cfg.type!r}; valid: {', '.join(KL_CTRL_TYPES)}")
+
+
+@torch.no_grad()
+def apply_kl_penalty(
+    token_level_scores: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_ctrl: KLController,
+    kind: str = "kl",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """token_level_rewards = scores - beta * KL per valid token; then feed the batch KL to the controller.
+
+    The reported KL is the mean over sequences of each sequence's mean token KL; the
+    controller advances by one step per sequence (n_steps = batch size). The reported
+    coefficient is the beta that was applied, i.e. before this update.
+    """
+    require_same_shape(token_level_scores=token_level_scores, response_mask=response_mask)
+    kld = kl_penalty(old_log_prob, ref_log_prob, kind)
+    kld = torch.where(response_mask.bool(), kld, torch.zeros_like(kld))
+    beta = kl_ctrl.value
+    token_level_rewards = token_level_scores - beta * kld
+    current_kl = float(masked_mean(kld, response_mask, dim=-1).mean())
+    kl_ctrl.update(current_kl=current_kl, n_steps=token_level_scores.shape[0])
+    metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+    return token_level_rewards, metrics
