@@ -1,0 +1,36 @@
+"""Load a user's reward function from a Python file (config: custom_reward_function.path / .name)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import pathlib
+from collections.abc import Callable
+
+
+def load_reward_fn(path: str, name: str = "compute_score") -> Callable:
+    """Import the file at `path` as a fresh module and return its callable `name`.
+
+    The function is called as fn(data_source, solution_str, ground_truth, extra_info),
+    as verl's custom reward functions are.
+    """
+    file = pathlib.Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"custom reward file {str(file)!r} does not exist")
+    # A name unique to the path, so two reward files called reward.py do not collide in sys.modules.
+    module_name = "hybridflow_user_reward_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import custom reward file {str(file)!r} (not a Python source file?)")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ImportError(f"importing custom reward file {str(file)!r} failed: {type(e).__name__}: {e}") from e
+    if not hasattr(module, name):
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise AttributeError(f"custom reward file {str(file)!r} has no function {name!r}; it defines: {defined}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(f"{name!r} in custom reward file {str(file)!r} is a {type(fn).__name__}, not a function")
+    return fn
