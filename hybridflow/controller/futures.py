@@ -53,9 +53,16 @@ class GroupFuture:
         return [FutureShard(self._collect_refs, i, n, self._group.role) for i in range(n)]
 
 
+def _resolve(v):
+    import ray
+
+    if isinstance(v, FutureShard):
+        return v.resolve()
+    if isinstance(v, ray.ObjectRef):  # a batch the driver put once for many ranks
+        return ray.get(v)
+    return v
+
+
 def resolve_futures(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    if not any(isinstance(a, FutureShard) for a in (*args, *kwargs.values())):
-        return args, kwargs
-    args = tuple(a.resolve() if isinstance(a, FutureShard) else a for a in args)
-    kwargs = {k: (v.resolve() if isinstance(v, FutureShard) else v) for k, v in kwargs.items()}
-    return args, kwargs
+    """Runs on the worker: fetch batches from the object store (zero-copy for numpy-backed tensors)."""
+    return tuple(_resolve(a) for a in args), {k: _resolve(v) for k, v in kwargs.items()}

