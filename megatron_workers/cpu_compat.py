@@ -1,0 +1,304 @@
+"""megatron-core without CUDA: the one module that holds the CPU fixes.
+
+megatron-core assumes a GPU in a handful of places even when every tensor is
+on the CPU and the process groups use gloo. Each patch below names the exact
+failure it fixes (measured on megatron-core 0.16.1, torch 2.13 CPU). The rest
+of the code base never mentions CUDA absence: it calls `apply_cpu_compat()`
+once, before building models, and writes device-agnostic code.
+
+How the patches stay narrow:
+- Device requests. Instead of replacing `torch.cuda.current_device` for the
+  whole process (which vLLM and others would then see), each affected megatron
+  module gets its own view of `torch` (`_CpuTorchView`) in which
+  `torch.cuda.current_device()` names the CPU, `device="cuda"` in tensor
+  factories means the CPU and the CUDA RNG calls use the CPU generator. Every
+  other attribute is the real torch, so `isinstance(x, torch.Tensor)` etc.
+  behave as before.
+- Type-string checks. The optimizer compares `tensor.type()` with
+  'torch.cuda.FloatTensor'. Only for the duration of those specific
+  functions does `Tensor.type()` report CPU tensors with the CUDA name.
+- The sequence-parallel norm. This one is not about CUDA: the local layer
+  spec falls back to `WrappedTorchNorm` whenever apex is missing (the GPU box
+  has no apex either), and that wrapper refuses sequence parallel although a
+  per-token norm is correct under it. We build the same torch norm and tag its
+  parameters `sequence_parallel=True` so that megatron all-reduces their
+  gradients over the TP group. It is applied whenever that wrapper exists.
+
+Version guard: tested on megatron-core 0.16.x. On other versions each patch is
+applied only when its target exists, and a single warning says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import importlib
+import types
+import warnings
+
+import torch
+
+TESTED_MCORE_PREFIXES = ("0.16.",)
+
+_state = {"cuda_fixes": False, "norm_fix": False, "warned": False}
+applied_patches: list[str] = []  # names of the patches actually installed, for logs and tests
+
+
+def apply_cpu_compat() -> list[str]:
+    """Install the fixes once per process. Returns the names of the patches installed so far.
+
+    Does nothing CUDA-related when CUDA is available; the sequence-parallel norm
+    fix is applied in both cases (see module docstring).
+    """
+    mcore = _import_or_none("megatron.core")
+    if mcore is None:
+        return applied_patches
+    version = getattr(mcore, "__version__", "unknown")
+    if not version.startswith(TESTED_MCORE_PREFIXES) and not _state["warned"]:
+        _state["warned"] = True
+        warnings.warn(
+            f"megatron_workers.cpu_compat was tested on megatron-core {TESTED_MCORE_PREFIXES}, found {version}; "
+            "patches are applied only where their targets exist",
+            stacklevel=2,
+        )
+    if not _state["norm_fix"]:
+        _state["norm_fix"] = True
+        _patch_sequence_parallel_torch_norm()
+    if not _state["cuda_fixes"] and not torch.cuda.is_available():
+        _state["cuda_fixes"] = True
+        _patch_cuda_device_requests()
+        _patch_rng_helpers()
+        _patch_type_string_checks()
+    return applied_patches
+
+
+def _import_or_none(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - a missing or broken optional module just means "no patch"
+        return None
+
+
+# ---------------------------------------------------------------------------
+# 1. A per-module view of torch in which "the current CUDA device" is the CPU.
+# ---------------------------------------------------------------------------
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # megatron passes torch.cuda.current_device() (an int) around
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _CpuCudaView(types.ModuleType):
+    """`torch.cuda` as seen by a patched megatron module on a CUDA-less machine."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+        self.current_device = lambda: "cpu"
+        self.synchronize = lambda *a, **k: None
+        self.is_available = lambda: False
+        # The CUDA RNG calls in tensor_parallel/random.py: the CPU generator is the one CPU ops draw from.
+        self.get_rng_state = lambda *a, **k: torch.get_rng_state()
+        self.manual_seed = lambda seed: torch.manual_seed(seed)
+        self.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+        self.random = types.SimpleNamespace(get_rng_state=self.get_rng_state)
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn")
+
+
+class _CpuTorchView(types.ModuleType):
+    """`torch` as seen by a patched megatron module: CUDA device requests go to the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuCudaView()
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_TORCH_VIEW: _CpuTorchView | None = None
+
+# module -> the failure it shows without the patch
+_CUDA_DEVICE_MODULES = {
+    # rotary_pos_embedding.py: self.inv_freq.to(device=torch.cuda.current_device())
+    #   -> AssertionError: Torch not compiled with CUDA enabled
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "RoPE inv_freq on current_device",
+    # p2p_communication.py: recv buffers / shape tensors allocated on torch.cuda.current_device()
+    "megatron.core.pipeline_parallel.p2p_communication": "PP send/recv buffers on current_device",
+    # schedules.py: total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda"), in every schedule
+    "megatron.core.pipeline_parallel.schedules": "schedules total_num_tokens on cuda",
+    # param_and_grad_buffer.py: DDP param/grad buffers allocated on torch.cuda.current_device()
+    "megatron.core.distributed.param_and_grad_buffer": "DDP buffers on current_device",
+    "megatron.core.distributed.distributed_data_parallel": "DDP current_device",
+    # optimizer.py / distrib_optimizer.py / clip_grads.py: found_inf, norms and scratch buffers on cuda
+    "megatron.core.optimizer.optimizer": "optimizer scratch tensors on cuda",
+    "megatron.core.optimizer.distrib_optimizer": "distributed optimizer buffers on current_device",
+    "megatron.core.optimizer.clip_grads": "grad-norm tensors on cuda",
+    # finalize_model_grads.py: num_tokens / norm all-reduce tensors on current_device
+    "megatron.core.distributed.finalize_model_grads": "finalize_model_grads tensors on cuda",
+    # mappings.py: SP all-gather / reduce-scatter outputs on torch.cuda.current_device()
+    "megatron.core.tensor_parallel.mappings": "SP collectives' outputs on current_device",
+    # layers.py: SP backward buffer (sub_grad_input) and non-CPU-init weights on current_device
+    "megatron.core.tensor_parallel.layers": "linear layers' SP backward buffers on current_device",
+    # tensor_parallel/utils.py: split/gather scratch tensors on current_device
+    "megatron.core.tensor_parallel.utils": "TP split/gather scratch on current_device",
+    # core/utils.py: GlobalMemoryBuffer.get_tensor (SP with use_global_buffer) on current_device
+    "megatron.core.utils": "global memory buffer on current_device",
+    # transformer/utils.py: get_default_causal_mask -> torch.ones(sq, sq, device="cuda") when no mask is passed
+    "megatron.core.transformer.utils": "default causal mask on cuda",
+    # tensor_parallel/random.py: CUDA RNG get/set inside the RNG tracker (see _patch_rng_helpers)
+    "megatron.core.tensor_parallel.random": "RNG tracker uses the CUDA generator",
+}
+
+
+def _patch_cuda_device_requests() -> None:
+    global _TORCH_VIEW
+    if _TORCH_VIEW is None:
+        _TORCH_VIEW = _CpuTorchView()
+    for name in _CUDA_DEVICE_MODULES:
+        module = _import_or_none(name)
+        if module is None or getattr(module, "torch", None) is not torch:
+            continue  # not in this megatron version, or already patched
+        module.torch = _TORCH_VIEW
+        applied_patches.append(f"cpu-device:{name}")
+
+
+# ---------------------------------------------------------------------------
+# 2. RNG: megatron's tracker saves/restores the CUDA generator.
+# ---------------------------------------------------------------------------
+
+
+def _patch_rng_helpers() -> None:
+    """`_get_cuda_rng_state` / `_set_cuda_rng_state` index torch.cuda.default_generators -> IndexError/assert
+    without CUDA. Point them at the CPU generator, which is what dropout on CPU actually draws from, so the
+    tracker's fork() gives per-TP-rank dropout streams exactly as on GPU."""
+    random = _import_or_none("megatron.core.tensor_parallel.random")
+    if random is None:
+        return
+    if hasattr(random, "_get_cuda_rng_state"):
+
+        def _get_state(device=None, clone=False, graph_safe=False):
+            state = torch.get_rng_state()
+            return state.clone() if clone else state
+
+        random._get_cuda_rng_state = _get_state
+        applied_patches.append("rng:_get_cuda_rng_state")
+    if hasattr(random, "_set_cuda_rng_state"):
+        random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+        applied_patches.append("rng:_set_cuda_rng_state")
+
+
+# ---------------------------------------------------------------------------
+# 3. Type strings: the optimizer only accepts 'torch.cuda.FloatTensor' and friends.
+# ---------------------------------------------------------------------------
+
+_REAL_TENSOR_TYPE = torch.Tensor.type
+
+
+def _type_with_cuda_names(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return _REAL_TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _REAL_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+@contextlib.contextmanager
+def _cuda_type_strings():
+    previous = torch.Tensor.type
+    torch.Tensor.type = _type_with_cuda_names
+    try:
+        yield
+    finally:
+        torch.Tensor.type = previous
+
+
+def _under_cuda_type_strings(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_strings():
+            return fn(*args, **kwargs)
+
+    wrapper._hybridflow_cpu_compat = True
+    return wrapper
+
+
+def _patch_type_string_checks() -> None:
+    # (module, holder attribute or None for module-level, function name, failure)
+    targets = [
+        # clip_grads.py: assert param.grad.type() == 'torch.cuda.FloatTensor' (AssertionError on clip)
+        ("megatron.core.optimizer.clip_grads", None, "clip_grad_by_total_norm_fp32"),
+        # optimizer.py imports it by name, so the call site's binding is the one that matters
+        ("megatron.core.optimizer.optimizer", None, "clip_grad_by_total_norm_fp32"),
+        # optimizer.py Float16OptimizerWithFloat16Params: TypeError 'Wrapped parameters must be one of
+        #   torch.cuda.FloatTensor ...' for fp32 params next to bf16 ones
+        ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
+        # distrib_optimizer.py: the same TypeError while building the sharded main params
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "_build_model_and_main_param_groups"),
+    ]
+    for module_name, holder_name, fn_name in targets:
+        module = _import_or_none(module_name)
+        holder = module if holder_name is None or module is None else getattr(module, holder_name, None)
+        if holder is None:
+            continue
+        raw = holder.__dict__.get(fn_name) if isinstance(holder, type) else getattr(holder, fn_name, None)
+        if raw is None:
+            continue
+        # keep the descriptor kind (staticmethod/classmethod/plain function) of the original
+        kind = type(raw) if isinstance(raw, staticmethod | classmethod) else None
+        fn = raw.__func__ if kind else raw
+        if getattr(fn, "_hybridflow_cpu_compat", False):
+            continue
+        wrapped = _under_cuda_type_strings(fn)
+        setattr(holder, fn_name, kind(wrapped) if kind else wrapped)
+        applied_patches.append(f"type-string:{module_name}.{holder_name or ''}.{fn_name}")
+
+
+# ---------------------------------------------------------------------------
+# 4. Sequence parallel with the local spec's torch norm.
+# ---------------------------------------------------------------------------
+
+
+def _patch_sequence_parallel_torch_norm() -> None:
+    """torch_norm.py WrappedTorchNorm: `assert not config.sequence_parallel` -> AssertionError
+    'sequence parallel not supported by torch LayerNorm' as soon as SP is on with the local spec.
+    RMSNorm/LayerNorm act per token, so they are correct on a sequence shard; megatron only needs
+    the weights tagged `sequence_parallel` to all-reduce their gradients over TP."""
+    torch_norm = _import_or_none("megatron.core.transformer.torch_norm")
+    cls = getattr(torch_norm, "WrappedTorchNorm", None)
+    if cls is None or getattr(cls.__new__, "_hybridflow_cpu_compat", False):
+        return
+    original_new = cls.__new__
+
+    def sp_capable_new(klass, config, hidden_size, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return original_new(klass, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(klass, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    sp_capable_new._hybridflow_cpu_compat = True
+    cls.__new__ = staticmethod(sp_capable_new)
+    applied_patches.append("sp-norm:WrappedTorchNorm")

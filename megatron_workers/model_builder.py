@@ -1,0 +1,228 @@
+"""Build a Megatron-Core GPTModel from a Hugging Face causal-LM config (llama, mistral, qwen2).
+
+Everything here is about *what* model to build; parallel layout numbers come
+from `ParallelDims`, and CPU-specific megatron fixes live in `cpu_compat`.
+The layer spec is Transformer Engine's when TE is importable and CUDA is
+present, megatron's local spec otherwise. The HF<->Megatron weight layout is
+in `hf_mapping`, not here.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.parallel.dims import ModelShape, ParallelDims
+
+# model_type -> the HF architecture class name we map weights for
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# Megatron-LM's convention: the vocab is padded so every TP shard has a multiple of 128 rows.
+VOCAB_PAD_MULTIPLE = 128
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes a model this builder does not map."""
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The one vocab padding rule: round up to a multiple of 128 * tp (each TP shard then holds a multiple of 128)."""
+    if vocab_size < 1 or tp < 1:
+        raise ValueError(f"padded_vocab_size: vocab_size={vocab_size} and tp={tp} must be >= 1")
+    multiple = VOCAB_PAD_MULTIPLE * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _get(cfg, key, default=None):
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+@dataclass(frozen=True)
+class HFModelFacts:
+    """The HF config facts the builder and the weight mapping both need, read once and checked."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    initializer_range: float
+
+
+def _rope_theta(cfg) -> float:
+    # transformers >= 5 keeps RoPE settings in `rope_parameters`; older versions in rope_theta/rope_scaling.
+    params = _get(cfg, "rope_parameters") or {}
+    scaling = _get(cfg, "rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise UnsupportedModelError(f"rope_type={rope_type!r} is not supported (only 'default' RoPE is mapped)")
+    theta = params.get("rope_theta", _get(cfg, "rope_theta"))
+    if theta is None:
+        raise UnsupportedModelError("HF config has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
+    return float(theta)
+
+
+def read_hf_facts(cfg) -> HFModelFacts:
+    """Check the config is a supported architecture and return the numbers the builder needs."""
+    model_type = _get(cfg, "model_type")
+    architectures = _get(cfg, "architectures") or []
+    supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type={model_type!r} is not supported; supported: {supported}")
+    bad_arch = [a for a in architectures if a != SUPPORTED_MODEL_TYPES[model_type]]
+    if bad_arch:
+        raise UnsupportedModelError(f"architectures={bad_arch} is not supported for model_type={model_type!r}; "
+                                    f"supported: {supported}")
+    if model_type in ("llama", "mistral"):
+        for flag in ("attention_bias", "mlp_bias"):
+            if _get(cfg, flag, False):
+                raise UnsupportedModelError(f"{model_type} with {flag}=True is not supported")
+    hidden, heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
+    head_dim = _get(cfg, "head_dim") or hidden // heads
+    if _get(cfg, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act={_get(cfg, 'hidden_act')!r} is not supported (only silu/SwiGLU)")
+    sliding = _get(cfg, "sliding_window") if model_type == "mistral" or _get(cfg, "use_sliding_window") else None
+    if sliding:
+        warnings.warn(
+            f"{model_type}: sliding_window={sliding} is not applied by the Megatron model; sequences longer than "
+            "the window will differ from HF",
+            stacklevel=3,
+        )
+    return HFModelFacts(
+        model_type=model_type,
+        num_layers=_get(cfg, "num_hidden_layers"),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=_get(cfg, "num_key_value_heads") or heads,
+        head_dim=head_dim,
+        ffn_hidden_size=_get(cfg, "intermediate_size"),
+        vocab_size=_get(cfg, "vocab_size"),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
+        qkv_bias=model_type == "qwen2",  # Qwen2 has q/k/v biases (o_proj none); llama/mistral none
+        tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
+        initializer_range=float(_get(cfg, "initializer_range", 0.02)),
+    )
+
+
+def _transformer_engine_usable() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - TE missing or broken: fall back to the local spec
+        return False
+    return True
+
+
+def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype = torch.float32):
+    """A megatron TransformerConfig equivalent to the HF config, for layout `dims`."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    facts = read_hf_facts(hf_config)
+    dims.validate(model=ModelShape.from_hf_config(hf_config))
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype={dtype} is not supported (float32, bfloat16, float16)")
+    return TransformerConfig(
+        num_layers=facts.num_layers,
+        hidden_size=facts.hidden_size,
+        num_attention_heads=facts.num_heads,
+        num_query_groups=facts.num_kv_heads,
+        kv_channels=facts.head_dim,
+        ffn_hidden_size=facts.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=facts.rms_norm_eps,
+        gated_linear_unit=True,  # SwiGLU: fc1 = [gate; up]
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=facts.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=facts.initializer_range,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        context_parallel_size=dims.cp,
+        sequence_parallel=dims.sp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fused kernels need CUDA/apex; the unfused paths are exact and portable.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_layer_spec():
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if _transformer_engine_usable():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(
+    hf_config,
+    dims: ParallelDims,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    dtype: torch.dtype = torch.float32,
+    share_embeddings: bool | None = None,
+    parallel_output: bool = True,
+):
+    """One GPTModel chunk for this rank's pipeline stage (no virtual pipeline).
+
+    pre_process/post_process default to "this rank is the first/last PP stage".
+    share_embeddings defaults to the HF config's tie_word_embeddings.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_workers.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    config = build_transformer_config(hf_config, dims, dtype)
+    facts = read_hf_facts(hf_config)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    if share_embeddings is None:
+        share_embeddings = facts.tie_word_embeddings
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=build_layer_spec(),
+        vocab_size=padded_vocab_size(facts.vocab_size, dims.tp),
+        max_sequence_length=facts.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=share_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(facts.rope_theta) if float(facts.rope_theta).is_integer() else facts.rope_theta,
+    )
+    model.hf_vocab_size = facts.vocab_size  # the real vocab, for masking padded logits
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
