@@ -1,0 +1,152 @@
+"""Prompts for RL from parquet files in verl's layout, tokenised once up front.
+
+A row holds:
+  prompt        list of chat messages [{"role": "user", "content": ...}] (a plain string also works)
+  data_source   which rule reward scores it, e.g. "openai/gsm8k"
+  reward_model  struct with "ground_truth" (and "style")
+  extra_info    optional struct passed to custom reward functions
+  ability       optional tag
+so a parquet file prepared by verl's examples/data_preprocess scripts loads as is.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_COLUMNS = ("data_source", "reward_model")
+OPTIONAL_COLUMNS = ("extra_info", "ability")
+
+
+def _read_rows(file: str, prompt_key: str) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    path = pathlib.Path(file)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {file!r} does not exist")
+    schema = pq.read_schema(path)
+    for column in (prompt_key, *REQUIRED_COLUMNS):
+        if column not in schema.names:
+            raise KeyError(f"data file {file!r} has no column {column!r} (columns: {schema.names})")
+    reward_type = schema.field("reward_model").type
+    if hasattr(reward_type, "get_field_index") and reward_type.get_field_index("ground_truth") < 0:
+        fields = [reward_type.field(i).name for i in range(reward_type.num_fields)]
+        raise KeyError(f"column 'reward_model' of data file {file!r} has no field 'ground_truth' (fields: {fields})")
+    columns = [prompt_key, *REQUIRED_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in schema.names)]
+    return pq.read_table(path, columns=columns).to_pylist()
+
+
+class RLDataset:
+    """Token ids (unpadded) plus the raw fields the reward needs, one entry per kept prompt."""
+
+    def __init__(
+        self,
+        files: list[str] | str,
+        tokenizer,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 64,
+        apply_chat_template: bool = True,
+        filter_overlong_prompts: bool = True,
+    ):
+        files = [files] if isinstance(files, str) else list(files)
+        if not files:
+            raise ValueError("RLDataset needs at least one data file (data.train_files / data.val_files is empty)")
+        self.files = files
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.apply_chat_template = apply_chat_template
+
+        rows, origin = [], []  # origin: (file, row number) for error messages
+        for file in files:
+            file_rows = _read_rows(file, prompt_key)
+            rows.extend(file_rows)
+            origin.extend((file, i) for i in range(len(file_rows)))
+        for row, (file, i) in zip(rows, origin):
+            reward = row["reward_model"]
+            if not isinstance(reward, dict) or "ground_truth" not in reward or reward["ground_truth"] is None:
+                raise ValueError(f"data file {file!r} row {i}: reward_model has no ground_truth ({reward!r})")
+
+        texts = [self._prompt_text(row[prompt_key], tokenizer, file, i) for row, (file, i) in zip(rows, origin)]
+        # Chat templates already carry bos; a plain prompt gets whatever the tokenizer adds by default.
+        encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
+
+        self._items: list[dict[str, Any]] = []
+        for index, (row, ids) in enumerate(zip(rows, encoded)):
+            if filter_overlong_prompts and len(ids) > max_prompt_length:
+                continue
+            self._items.append({
+                "input_ids": list(ids),
+                "raw_prompt": row[prompt_key],
+                "data_source": row["data_source"],
+                "ground_truth": row["reward_model"]["ground_truth"],
+                "extra_info": row.get("extra_info") or {},
+                "ability": row.get("ability"),
+                "index": index,  # position across all files before filtering: stable and unique
+            })
+        self.num_total = len(rows)
+        self.num_filtered = self.num_total - len(self._items)
+        if self.num_filtered:
+            logger.warning("filtered %d of %d prompts longer than max_prompt_length=%d tokens (%s)",
+                           self.num_filtered, self.num_total, max_prompt_length, ", ".join(files))
+        if not self._items:
+            raise ValueError(f"no prompts left in {files}: all {self.num_total} are longer than "
+                             f"max_prompt_length={max_prompt_length} tokens")
+
+    def _prompt_text(self, prompt, tokenizer, file: str, row: int) -> str:
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
+            messages = prompt
+        else:
+            raise ValueError(f"data file {file!r} row {row}: column {self.prompt_key!r} must be a string or a list of "
+                             f"chat messages, got {type(prompt).__name__}: {prompt!r:.200}")
+        if not self.apply_chat_template:
+            return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self._items[i]
+
+
+def _object_array(values: list) -> np.ndarray:
+    # np.array(values, dtype=object) would turn a list of equal-length lists into a 2-D array.
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
+def collate(rows: list[dict], pad_id: int, max_prompt_length: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """Left-pad prompts to max_prompt_length, so every prompt ends where generation starts.
+
+    Returns (tensors, non_tensors): input_ids, attention_mask, position_ids (B, max_prompt_length)
+    int64 (position 0 at the first real token, pads also 0), and object arrays data_source,
+    ground_truth, extra_info, raw_prompt and index.
+    """
+    if not rows:
+        raise ValueError("collate got no rows")
+    too_long = [(r["index"], len(r["input_ids"])) for r in rows if len(r["input_ids"]) > max_prompt_length]
+    if too_long:
+        raise ValueError(f"prompts longer than max_prompt_length={max_prompt_length} (index, length): {too_long[:8]}")
+    batch = len(rows)
+    input_ids = torch.full((batch, max_prompt_length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, max_prompt_length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        if n:
+            input_ids[i, -n:] = torch.tensor(row["input_ids"], dtype=torch.long)
+            attention_mask[i, -n:] = 1
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    non_tensors = {key: _object_array([r[key] for r in rows])
+                   for key in ("data_source", "ground_truth", "extra_info", "raw_prompt", "index")}
+    return tensors, non_tensors
