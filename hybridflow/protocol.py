@@ -69,10 +69,35 @@ def _wire_to_tensor(arr: np.ndarray, tag: str | None) -> torch.Tensor:
         t = torch.from_numpy(arr)
     else:
         # Read-only memory from the object store: aliased on purpose, see the module docstring.
+        # (catch_warnings is not thread-safe; the worst a race can do is let the warning through.)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             t = torch.from_numpy(arr)
     return t if tag is None else t.view(getattr(torch, tag))
+
+
+# Row copies (concat, gather) run through numpy for plain CPU tensors. Measured on the 2-core dev
+# box: concatenating 64 MB of chunks takes 18 ms with np.concatenate and 50-110 ms with torch.cat
+# (fresh page-faulted allocations plus OpenMP threads fighting for the cores); a 64 MB row gather
+# 9 ms vs 16 ms. numpy keeps the dtype (bf16 via its integer view) but not autograd, so tensors
+# that require grad, and non-CPU tensors, stay on the torch path.
+def _numpy_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and not t.requires_grad
+               and (t.dtype in _NUMPY_NATIVE or t.element_size() in _INT_VIEW_BY_ITEMSIZE) for t in tensors)
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    if not _numpy_ok(*parts):
+        return torch.cat(parts, dim=0)
+    wire = [_tensor_to_wire("", p) for p in parts]
+    return _wire_to_tensor(np.concatenate([arr for arr, _ in wire], axis=0), wire[0][1])
+
+
+def _take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if not _numpy_ok(t):
+        return t[index.to(t.device)]
+    arr, tag = _tensor_to_wire("", t)
+    return _wire_to_tensor(np.take(arr, index.numpy(), axis=0), tag)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +291,7 @@ class DataProto:
 
     def _take(self, index: torch.Tensor) -> DataProto:
         np_index = index.numpy()
-        return self._derive({k: v[index.to(v.device)] for k, v in self.batch.items()},
+        return self._derive({k: _take_rows(v, index) for k, v in self.batch.items()},
                             {k: v[np_index] for k, v in self.non_tensor_batch.items()})
 
     def __getitem__(self, idx):
@@ -383,7 +408,7 @@ class DataProto:
                 if p.dtype != v0.dtype or p.shape[1:] != v0.shape[1:]:
                     raise ValueError(f"DataProto.concat: batch key {k!r} is {tuple(p.shape)} {p.dtype} in part "
                                      f"{i} but {tuple(v0.shape)} {v0.dtype} in part 0 (sizes {[len(d) for d in data]})")
-            batch[k] = torch.cat(parts, dim=0)
+            batch[k] = _cat_rows(parts)
         non_tensor = {}
         for k in first.non_tensor_batch:
             parts = [d.non_tensor_batch[k] for d in data]
