@@ -59,6 +59,8 @@ def test_qwen2_has_qkv_bias_and_tied_override(tmp_path):
     biases = {n for n, _ in model.named_parameters() if n.endswith("bias")}
     assert biases == {f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(2) for p in "qkv"}
     assert model.config.tie_word_embeddings
+    # vLLM's Qwen2 sizes attention as hidden // heads, so the saved config must agree with it.
+    assert model.config.head_dim * model.config.num_attention_heads == model.config.hidden_size
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
@@ -98,6 +100,8 @@ def test_bad_arguments_name_the_problem(tmp_path):
         save_tiny_model(tmp_path, hiden_size=32)
     with pytest.raises(ValueError, match="head_dim=16"):
         save_tiny_model(tmp_path, head_dim=None)  # 64 / 4 heads
+    with pytest.raises(ValueError, match="qwen2 needs head_dim == hidden_size // num_attention_heads"):
+        save_tiny_model(tmp_path, preset="tiny4l", arch="qwen2", head_dim=64)
 
 
 @pytest.mark.parametrize("preset,params_lo,params_hi", [("tiny4l", 0.5e6, 1.0e6), ("small", 15e6, 22e6)])

@@ -69,6 +69,10 @@ EXTRA_KEYS = {
     "initializer_range": 0.02,
 }
 ARCHS = ("llama", "qwen2")  # qwen2 = llama + bias on q/k/v projections
+# vLLM's Qwen2 ignores config.head_dim and sizes attention as hidden_size // heads, so a Qwen2
+# needs head_dim == hidden_size // heads. For the tiny preset that means 2 heads of 32 (and
+# 2 kv heads, so TP=2 still divides): the price is no GQA in tiny qwen2 (tiny4l qwen2 keeps it).
+ARCH_PRESET_CHANGES = {("qwen2", "tiny"): dict(num_attention_heads=2, num_key_value_heads=2, head_dim=None)}
 
 
 def build_tokenizer():
@@ -106,7 +110,7 @@ def _model_config(arch: str, preset: str, vocab_size: int, tok, overrides: dict)
         raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    settings = {**EXTRA_KEYS, **PRESETS[preset]}
+    settings = {**EXTRA_KEYS, **PRESETS[preset], **ARCH_PRESET_CHANGES.get((arch, preset), {})}
     unknown = sorted(set(overrides) - set(settings))
     if unknown:
         raise ValueError(f"unknown override(s) {unknown}; allowed: {sorted(settings)}")
@@ -122,6 +126,9 @@ def _model_config(arch: str, preset: str, vocab_size: int, tok, overrides: dict)
     if settings["head_dim"] not in VLLM_CPU_HEAD_SIZES:
         raise ValueError(f"head_dim={settings['head_dim']} (hidden_size={hidden} / heads={heads}) is not one vLLM's "
                          f"CPU attention supports: {VLLM_CPU_HEAD_SIZES}; pass head_dim explicitly")
+    if arch == "qwen2" and settings["head_dim"] * heads != hidden:
+        raise ValueError(f"qwen2 needs head_dim == hidden_size // num_attention_heads (vLLM's Qwen2 derives it), got "
+                         f"head_dim={settings['head_dim']}, hidden_size={hidden}, heads={heads}")
     common = dict(
         vocab_size=vocab_size,
         hidden_act="silu",
