@@ -1,0 +1,132 @@
+"""A rollout on Hugging Face transformers `generate`: the reference engine and the fallback.
+
+Tests compare vLLM against it, and it stands in where vLLM is not installed (e.g. the
+GPU machine). It is slower than vLLM for anything but tiny models, batches all
+prompts in one `generate` call and holds its own full copy of the weights.
+
+Log-probs come from `generate`'s output scores: the logits after the same processors
+that sampling used (temperature, top-k, top-p), so their log_softmax is the sampler's
+distribution, the same quantity vLLM reports in "processed_logprobs" mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from hybridflow.config.schema import RolloutConfig
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.base import Rollout, SamplingSettings
+from hybridflow.rollout.output import assemble_rollout_output, cut_at_stop
+
+logger = logging.getLogger(__name__)
+
+
+class HFRollout(Rollout):
+    """Rollout on `model.generate`. `model` is a loaded causal LM or an HF directory path."""
+
+    def __init__(self, model, config: RolloutConfig, *, pad_token_id: int | None = None,
+                 eos_token_id: int | list[int] | None = None, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device | None = None):
+        self.config = config
+        if isinstance(model, str) or hasattr(model, "__fspath__"):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        if device is not None:
+            model = model.to(device)
+        self.model = model.eval()
+        gen_cfg = getattr(model, "generation_config", None)
+        cfg = model.config
+        self.pad_token_id = _first_set(pad_token_id, getattr(gen_cfg, "pad_token_id", None), cfg.pad_token_id)
+        if self.pad_token_id is None:
+            raise ValueError("HFRollout: the model has no pad_token_id; pass pad_token_id=")
+        eos = _first_set(eos_token_id, getattr(gen_cfg, "eos_token_id", None), cfg.eos_token_id)
+        self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.vocab_size = cfg.vocab_size
+        self.last_stats: dict[str, float] = {}
+        self._calls = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _stop_ids(self, s: SamplingSettings) -> list[int]:
+        ids = ([] if s.ignore_eos else list(self.eos_token_ids)) + list(s.stop_token_ids)
+        return list(dict.fromkeys(ids))
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        s = self.sampling_for(prompts)
+        ids = prompts.batch["input_ids"].to(self.device)
+        mask = prompts.batch["attention_mask"].to(self.device)
+        if len(prompts) == 0:
+            return assemble_rollout_output(prompts, [], [], s.n, s.response_length, self.pad_token_id)
+        stop_ids = self._stop_ids(s)
+        kwargs = dict(
+            max_new_tokens=s.response_length,
+            min_new_tokens=0,
+            num_return_sequences=s.n,
+            pad_token_id=self.pad_token_id,
+            # An out-of-vocabulary id never matches, which is how "do not stop" is spelled when
+            # there is no stop id: None would fall back to the model's own eos.
+            eos_token_id=stop_ids or [self.vocab_size],
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        if s.greedy:
+            kwargs.update(do_sample=False)
+        else:
+            kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p,
+                          top_k=s.top_k if s.top_k > 0 else 0)
+        # Seeded per call from the config seed without touching the caller's global RNG.
+        seed = (s.seed if s.seed is not None else 0) + self._calls
+        self._calls += 1
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        elapsed = time.perf_counter() - start
+
+        generated = out.sequences[:, ids.shape[1]:].cpu()
+        if generated.shape[1]:
+            scores = torch.stack(out.scores, dim=1).float()  # (B*n, steps, V), processed logits
+            token_logp = torch.log_softmax(scores, dim=-1).gather(-1, generated.to(scores.device).unsqueeze(-1))
+            token_logp = token_logp.squeeze(-1).cpu()
+        else:
+            token_logp = torch.zeros(generated.shape)
+        stop_set = set(stop_ids)
+        responses, log_probs = [], []
+        for row, lp in zip(generated.tolist(), token_logp.tolist()):
+            n_tok = cut_at_stop(row, stop_set)
+            responses.append(row[:n_tok])
+            log_probs.append(lp[:n_tok])
+        num_tokens = sum(len(r) for r in responses)
+        self.last_stats = {"seconds": elapsed, "response_tokens": num_tokens,
+                           "tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0}
+        return assemble_rollout_output(prompts, responses, log_probs, s.n, s.response_length, self.pad_token_id)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named full tensors into the model. Unknown names are an error; missing ones keep
+        their old values (partial updates are allowed here)."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise KeyError(f"HFRollout.load_weights: no parameter named {name!r} in the model")
+                target = params[name]
+                if target.shape != tensor.shape:
+                    raise ValueError(f"HFRollout.load_weights: {name!r} has shape {tuple(target.shape)}, "
+                                     f"got {tuple(tensor.shape)}")
+                target.copy_(tensor)
+
+
+def _first_set(*values):
+    for v in values:
+        if v is not None:
+            return v
+    return None

@@ -1,0 +1,120 @@
+"""Process setup for an in-process vLLM engine that shares the worker's ranks.
+
+vLLM's `external_launcher` backend runs one engine per rank inside processes that
+someone else launched (torchrun, Ray actors). It reads the rank from the
+environment (RANK, LOCAL_RANK, and MASTER_ADDR/MASTER_PORT if it has to create
+the default process group itself) and refuses multiprocessing, so all of that
+must be in place before `vllm.LLM(...)`. Kept apart from the engine wrapper
+because it is pure process plumbing and testable without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    created_env: tuple[str, ...]  # env keys we set (so a caller can see what was defaulted)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_distributed_env() -> LaunchInfo:
+    """Makes RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* consistent with this process's place in the world.
+
+    - torch.distributed already initialised (the worker did it): the env must agree with it;
+      missing keys are filled from the process group.
+    - not initialised, env present (torchrun): used as is; vLLM creates the default group.
+    - neither (a single process, e.g. a test): a world of one on a free local port.
+    """
+    import torch.distributed as dist
+
+    created = []
+
+    def default(key: str, value) -> None:
+        if key not in os.environ:
+            os.environ[key] = str(value)
+            created.append(key)
+
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for key, want in (("RANK", rank), ("WORLD_SIZE", world)):
+            if key in os.environ and int(os.environ[key]) != want:
+                raise RuntimeError(f"env {key}={os.environ[key]} disagrees with torch.distributed ({want}); "
+                                   "vLLM's external_launcher reads the env, so fix the launcher")
+        default("RANK", rank)
+        default("WORLD_SIZE", world)
+        default("LOCAL_RANK", rank)  # one node unless the launcher said otherwise
+        default("MASTER_ADDR", "127.0.0.1")  # unused: the group exists
+        default("MASTER_PORT", 0)
+    elif "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"torch.distributed is not initialised and env {missing} is missing; "
+                               "launch with torchrun or initialise the process group first")
+        default("LOCAL_RANK", os.environ["RANK"])
+    else:
+        default("RANK", 0)
+        default("WORLD_SIZE", 1)
+        default("LOCAL_RANK", 0)
+        default("MASTER_ADDR", "127.0.0.1")
+        default("MASTER_PORT", _free_port())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # external_launcher requires the in-process engine core; setting it here also covers
+    # vLLM versions that read it before ParallelConfig sets it.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return LaunchInfo(rank, world, int(os.environ["LOCAL_RANK"]), local_world, tuple(created))
+
+
+def cpu_slice(local_rank: int, local_world_size: int, cpus: list[int]) -> list[int]:
+    """The CPUs of `local_rank` when the node's CPUs are split into equal consecutive slices.
+
+    With more ranks than CPUs, ranks share: rank r gets cpus[r % len(cpus)].
+    """
+    if not cpus:
+        raise ValueError("cpu_slice: no CPUs available")
+    per_rank = len(cpus) // local_world_size
+    if per_rank == 0:
+        return [cpus[local_rank % len(cpus)]]
+    return cpus[local_rank * per_rank:(local_rank + 1) * per_rank]
+
+
+def _format_cpu_list(cpus: list[int]) -> str:
+    if cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])
+    return ",".join(map(str, cpus))
+
+
+def prepare_cpu_threads(info: LaunchInfo, threads: int | None = None) -> int:
+    """Sets this rank's torch thread count and vLLM's CPU binding env; returns the thread count.
+
+    Must run before the engine exists: vLLM's CPU worker replaces torch.set_num_threads with a
+    no-op. In-process (our case) vLLM does no OpenMP binding of its own, so the thread count is
+    what matters; VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU are set (unless the
+    user set them) to this rank's own slice so that a multiprocess engine would not oversubscribe
+    either (its default reserves cores and binds every rank from core 0).
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    mine = cpu_slice(info.local_rank, info.local_world_size, cpus)
+    n = threads if threads is not None else len(mine)
+    torch.set_num_threads(max(1, n))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _format_cpu_list(mine))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return max(1, n)

