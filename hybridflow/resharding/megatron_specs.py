@@ -1,0 +1,114 @@
+"""Adapter: Megatron parameters -> ParamSpecs, read from each parameter's own TP attributes.
+
+Megatron tags every tensor-parallel parameter with `tensor_model_parallel`, `partition_dim` and
+`partition_stride` (2 for the SwiGLU fc1 [gate; up]). The adapter only scales the local shape
+back to the full one, renames pipeline-local layer numbers to global ones, and marks the two
+vocab-parallel matrices so the generation side splits the real (unpadded) vocab as vLLM does.
+No per-model table: a new architecture with the same attributes needs nothing here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from hybridflow.parallel.dims import LayoutError
+from hybridflow.resharding.planner import ParamSpec
+
+# Megatron's vocab-parallel matrices: rows are the vocab, padded to a multiple of 128 * tp.
+VOCAB_PARALLEL_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+_LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+
+
+def unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel under DDP / Float16Module wrappers."""
+    while hasattr(model_chunk, "module") and isinstance(model_chunk.module, torch.nn.Module):
+        model_chunk = model_chunk.module
+    return model_chunk
+
+
+def layer_offsets(model: torch.nn.Module) -> dict[int, int]:
+    """Local layer index -> global layer index, from Megatron's 1-based global `layer_number`."""
+    decoder = getattr(model, "decoder", None)
+    layers = getattr(decoder, "layers", None) or []
+    return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
+
+
+def global_name(local_name: str, offsets: dict[int, int]) -> str:
+    m = _LAYER.match(local_name)
+    if not m:
+        return local_name
+    i = int(m.group(2))
+    if i not in offsets:
+        raise LayoutError(f"parameter {local_name!r}: local layer {i} has no global layer number")
+    return f"{m.group(1)}{offsets[i]}{m.group(3)}"
+
+
+def megatron_param_specs(
+    model_chunk: torch.nn.Module,
+    tp: int,
+    pp_stage: int,
+    vocab_size: int | None = None,
+    gen_vocab_pad_multiple: int = 1,
+) -> tuple[list[ParamSpec], dict[str, torch.Tensor]]:
+    """This rank's ParamSpecs and {global name: local training shard} for one model chunk.
+
+    vocab_size: the real (HF) vocab; with it the vocab-parallel matrices carry `valid_size` so padding
+    rows are never sent, and the generation split pads to `gen_vocab_pad_multiple` (vLLM: 64).
+    The output layer of a model that shares it with the embedding is skipped: there is one matrix.
+    """
+    model = unwrap(model_chunk)
+    offsets = layer_offsets(model)
+    tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
+    specs, shards = [], {}
+    for local, param in model.named_parameters():
+        if tied and local == "output_layer.weight":
+            continue
+        name = global_name(local, offsets)
+        is_tp = bool(getattr(param, "tensor_model_parallel", False))
+        dim = int(getattr(param, "partition_dim", 0)) if is_tp else 0
+        stride = int(getattr(param, "partition_stride", 1)) if is_tp else 1
+        shape = list(param.shape)
+        if is_tp:
+            shape[dim] *= tp
+        vocab = is_tp and local in VOCAB_PARALLEL_PARAMS and vocab_size is not None
+        specs.append(ParamSpec(
+            name=name,
+            full_shape=tuple(shape),
+            dtype_bytes=param.element_size(),
+            tensor_parallel=is_tp,
+            partition_dim=dim,
+            partition_stride=stride,
+            pp_stage=pp_stage,
+            valid_size=vocab_size if vocab else None,
+            gen_pad_multiple=gen_vocab_pad_multiple if vocab else 1,
+        ))
+        shards[name] = param.detach()
+    return specs, shards
+
+
+def merge_rank_specs(per_rank: list[list[ParamSpec]]) -> list[ParamSpec]:
+    """One global spec list from every rank's local list: by stage, in first-seen order; copies must agree."""
+    seen: dict[str, tuple[ParamSpec, int]] = {}
+    order: list[str] = []
+    for rank, specs in enumerate(per_rank):
+        for spec in specs:
+            if spec.name in seen:
+                if seen[spec.name][0] != spec:
+                    raise LayoutError(f"parameter {spec.name!r}: rank {seen[spec.name][1]} has {seen[spec.name][0]}, "
+                                      f"rank {rank} has {spec}")
+                continue
+            seen[spec.name] = (spec, rank)
+            order.append(spec.name)
+    position = {n: i for i, n in enumerate(order)}
+    return sorted((seen[n][0] for n in order), key=lambda s: (s.pp_stage, position[s.name]))
+
+
+def gather_param_specs(local_specs: list[ParamSpec], group=None) -> list[ParamSpec]:
+    """All ranks' specs (every rank must know every stage's parameters to plan). One all_gather_object."""
+    import torch.distributed as dist
+
+    per_rank: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(per_rank, local_specs, group=group)
+    return merge_rank_specs(per_rank)
