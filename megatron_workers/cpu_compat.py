@@ -14,9 +14,11 @@ How the patches stay narrow:
   factories means the CPU and the CUDA RNG calls use the CPU generator. Every
   other attribute is the real torch, so `isinstance(x, torch.Tensor)` etc.
   behave as before.
-- Type-string checks. The optimizer compares `tensor.type()` with
-  'torch.cuda.FloatTensor'. Only for the duration of those specific
-  functions does `Tensor.type()` report CPU tensors with the CUDA name.
+- Tensor methods. The optimizer compares `tensor.type()` with
+  'torch.cuda.FloatTensor', and the tied-embedding set-up calls
+  `tensor.cuda()`. Only for the duration of those specific functions does
+  `Tensor.type()` report CPU tensors with the CUDA name / `Tensor.cuda()`
+  leave the tensor on the CPU.
 - The sequence-parallel norm. This one is not about CUDA: the local layer
   spec falls back to `WrappedTorchNorm` whenever apex is missing (the GPU box
   has no apex either), and that wrapper refuses sequence parallel although a
@@ -69,7 +71,7 @@ def apply_cpu_compat() -> list[str]:
         _state["cuda_fixes"] = True
         _patch_cuda_device_requests()
         _patch_rng_helpers()
-        _patch_type_string_checks()
+        _patch_scoped_tensor_methods()
     return applied_patches
 
 
@@ -210,7 +212,9 @@ def _patch_rng_helpers() -> None:
 
 
 # ---------------------------------------------------------------------------
-# 3. Type strings: the optimizer only accepts 'torch.cuda.FloatTensor' and friends.
+# 3. Tensor methods that only make sense on CUDA, patched only while specific megatron functions run:
+#    - `tensor.type()` compared with 'torch.cuda.FloatTensor' and friends in the optimizer;
+#    - `tensor.cuda()` in the tied-embedding set-up.
 # ---------------------------------------------------------------------------
 
 _REAL_TENSOR_TYPE = torch.Tensor.type
@@ -232,30 +236,47 @@ def _cuda_type_strings():
         torch.Tensor.type = previous
 
 
-def _under_cuda_type_strings(fn):
+@contextlib.contextmanager
+def _tensor_cuda_stays_on_cpu():
+    previous = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = previous
+
+
+def _scoped(fn, context):
+    """fn, run with `context()` active for the duration of each call only."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _cuda_type_strings():
+        with context():
             return fn(*args, **kwargs)
 
     wrapper._hybridflow_cpu_compat = True
     return wrapper
 
 
-def _patch_type_string_checks() -> None:
-    # (module, holder attribute or None for module-level, function name, failure)
+def _patch_scoped_tensor_methods() -> None:
+    # (module, holder attribute or None for module-level, function name, context)
     targets = [
         # clip_grads.py: assert param.grad.type() == 'torch.cuda.FloatTensor' (AssertionError on clip)
-        ("megatron.core.optimizer.clip_grads", None, "clip_grad_by_total_norm_fp32"),
+        ("megatron.core.optimizer.clip_grads", None, "clip_grad_by_total_norm_fp32", _cuda_type_strings),
         # optimizer.py imports it by name, so the call site's binding is the one that matters
-        ("megatron.core.optimizer.optimizer", None, "clip_grad_by_total_norm_fp32"),
+        ("megatron.core.optimizer.optimizer", None, "clip_grad_by_total_norm_fp32", _cuda_type_strings),
         # optimizer.py Float16OptimizerWithFloat16Params: TypeError 'Wrapped parameters must be one of
         #   torch.cuda.FloatTensor ...' for fp32 params next to bf16 ones
-        ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
+        ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__", _cuda_type_strings),
         # distrib_optimizer.py: the same TypeError while building the sharded main params
-        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "_build_model_and_main_param_groups"),
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "_build_model_and_main_param_groups",
+         _cuda_type_strings),
+        # language_module.py setup_embeddings_and_output_layer: `weight.data = weight.data.cuda()` before the
+        #   all-reduce that copies tied embeddings to the last PP stage -> AssertionError (tied + PP > 1)
+        ("megatron.core.models.common.language_module.language_module", "LanguageModule",
+         "setup_embeddings_and_output_layer", _tensor_cuda_stays_on_cpu),
     ]
-    for module_name, holder_name, fn_name in targets:
+    for module_name, holder_name, fn_name, context in targets:
         module = _import_or_none(module_name)
         holder = module if holder_name is None or module is None else getattr(module, holder_name, None)
         if holder is None:
@@ -268,9 +289,9 @@ def _patch_type_string_checks() -> None:
         fn = raw.__func__ if kind else raw
         if getattr(fn, "_hybridflow_cpu_compat", False):
             continue
-        wrapped = _under_cuda_type_strings(fn)
+        wrapped = _scoped(fn, context)
         setattr(holder, fn_name, kind(wrapped) if kind else wrapped)
-        applied_patches.append(f"type-string:{module_name}.{holder_name or ''}.{fn_name}")
+        applied_patches.append(f"{context.__name__.strip('_')}:{module_name}.{holder_name or ''}.{fn_name}")
 
 
 # ---------------------------------------------------------------------------

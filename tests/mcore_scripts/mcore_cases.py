@@ -1,0 +1,96 @@
+"""Shared by the Megatron tests and their torchrun worker: test models, the padded batch, the HF reference.
+
+Kept free of megatron imports so pytest can use it without paying megatron's import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def save_llama_vocab300(out_dir, tie: bool = False, seed: int = 0) -> Path:
+    """A tiny Llama whose vocab (300) straddles the TP=2 shard boundary (padded 512, 256 rows per rank)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_theta=5000.0, tie_word_embeddings=tie, architectures=["LlamaForCausalLM"],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+        # HF initialises norms to 1; random norms catch a swapped input/post-attention norm.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
+def save_tiny_qwen2(out_dir, tie: bool = True, seed: int = 1) -> Path:
+    """The project's tiny Qwen2 (q/k/v biases), tied embeddings, random biases and norms."""
+    from safetensors.torch import load_file, save_file
+
+    from hybridflow.models.tiny import save_tiny_model
+
+    out = save_tiny_model(out_dir, preset="tiny4l", arch="qwen2", seed=seed, tie_word_embeddings=tie)
+    path = out / "model.safetensors"
+    state = load_file(str(path))
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        if name.endswith("bias"):
+            state[name] = torch.randn(t.shape, generator=gen) * 0.1
+        elif "norm" in name:
+            state[name] = torch.rand(t.shape, generator=gen) + 0.5
+    save_file(state, str(path), metadata={"format": "pt"})
+    return out
+
+
+def make_batch(vocab_size: int, seed: int = 0, batch: int = 4, seq: int = 13):
+    """Variable-length rows: left-padded, right-padded, both, and full; pad id 0."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :4] = 0  # left padding (a prompt)
+    mask[1, -5:] = 0  # right padding (a short response)
+    mask[2, :2] = 0  # left and right padding (prompt + response)
+    mask[2, -3:] = 0
+    ids = ids * mask  # padding positions hold the pad id 0
+    return ids, mask
+
+
+def hf_reference(model_dir, input_ids, attention_mask):
+    """HF transformers log p(token k | tokens < k) and the entropy of that distribution, [b, s-1], fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
+    token_lp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    # compare where the predicted token and the one before it are both real
+    valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    return token_lp.float(), entropy.float(), valid
+
+
+def hf_grad_norm(model_dir, input_ids, attention_mask) -> tuple[float, float]:
+    """(total grad L2 norm, loss) of loss = mean over predicted real tokens of -log p, in HF transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    loss = -(logp * valid).sum() / valid.sum()
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    return norm.item(), loss.item()

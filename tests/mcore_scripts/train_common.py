@@ -1,0 +1,93 @@
+"""Shared pieces of the training tests: RL-shaped batches, worker configs, and the torchrun launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent
+
+
+def make_rl_batch(vocab: int, seed: int = 0, batch: int = 8, prompt_len: int = 6, response_len: int = 5) -> dict:
+    """verl's layout: left-padded prompts + right-padded responses, with varying lengths per row.
+
+    Token ids avoid the special ids 0-3 (pad/bos/eos/unk of the tiny tokenizer) except the pad.
+    """
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.zeros(batch, prompt_len, dtype=torch.long)
+    prompt_mask = torch.zeros(batch, prompt_len, dtype=torch.long)
+    responses = torch.zeros(batch, response_len, dtype=torch.long)
+    response_mask = torch.zeros(batch, response_len, dtype=torch.long)
+    for i in range(batch):
+        p = 2 + (i * 3) % (prompt_len - 1)  # 2..prompt_len
+        r = response_len if i % 3 == 0 else 1 + (i * 2) % response_len  # full-length rows and short ones
+        prompts[i, prompt_len - p:] = torch.randint(4, vocab, (p,), generator=g)
+        prompt_mask[i, prompt_len - p:] = 1
+        responses[i, :r] = torch.randint(4, vocab, (r,), generator=g)
+        response_mask[i, :r] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "responses": responses,
+        "response_mask": response_mask,
+    }
+
+
+def ppo_inputs(batch: dict, old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, seed: int = 1) -> dict:
+    """Add advantages and an off-policy `old_log_probs` (perturbed, so the PPO clip and dual clip both act)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = batch["response_mask"].float()
+    noise = 0.4 * torch.randn(old_log_probs.shape, generator=g)
+    advantages = torch.randn(old_log_probs.shape, generator=g) * mask
+    return {**batch, "old_log_probs": (old_log_probs + noise) * mask, "advantages": advantages,
+            "ref_log_prob": ref_log_prob}
+
+
+def actor_config(model_dir, tp: int = 1, pp: int = 1, sp: bool = False, lr: float = 1e-3, mini_batch: int = 8,
+                 micro_batch: int = 2, dist_opt: bool = True, **optim) -> dict:
+    megatron = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "sequence_parallel": sp,
+                "use_distributed_optimizer": dist_opt, "seed": 7}
+    return {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "actor": {"megatron": megatron, "optim": {"lr": lr, "clip_grad": 1.0, "weight_decay": 0.01, **optim},
+                  "ppo_mini_batch_size": mini_batch, "ppo_micro_batch_size_per_gpu": micro_batch,
+                  "entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl"},
+        "ref": {"megatron": megatron, "log_prob_micro_batch_size_per_gpu": 4},
+        "rollout": {"n": 1, "log_prob_micro_batch_size_per_gpu": 4},
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 150) -> str:
+    """Run tests/mcore_scripts/<script> under torchrun; raises with the output tail when it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(SCRIPTS / script), *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "Warning" not in ln and "warn" not in ln]
+        raise RuntimeError(f"{script} x{nproc} failed (rc={proc.returncode}):\n" + "\n".join(lines)[-6000:])
+    return proc.stdout
+
+
+def hf_state(hf_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
