@@ -1,0 +1,219 @@
+"""ActorRolloutRefWorker: the policy (actor), its frozen reference copy, and the rollout hook, in one process.
+
+One Ray actor per rank; the worker group runs the same method on every rank
+(SPMD). The actor and the reference model share the process and its Megatron
+parallel groups, so they must use the same TP/PP/CP layout.
+
+Batch keys (verl's layout): input_ids / attention_mask / position_ids (B, P+R),
+responses and response_mask (B, R). Log-probs, entropies and losses are over
+the response tokens only, (B, R). Log-probs are computed vocab-parallel from
+the TP-sharded logits (logprob.py), never from a gathered vocabulary.
+
+Rollout: the generation engine (vLLM) and the weight resharding live in the
+same process and are attached by the rollout work through `attach_rollout`;
+this class only keeps `self.rollout` and calls the hook after the model is built.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hybridflow.config.schema import ActorRolloutRefConfig
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.protocol import DataProto
+from megatron_workers.engine import agg_count, as_config, build_role_engine, init_megatron, mesh_coords
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("actor", "ref", "actor_rollout", "actor_rollout_ref")
+MESH = "actor"
+
+
+def response_logprobs(logits: torch.Tensor, micro: dict, response_length: int, real_vocab_size: int,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(response token), entropy) per response token, (b, R) each, from packed TP-sharded logits.
+
+    `micro` carries the engine's packing (packed_input_ids / packed_mask / pack_index). Differentiable.
+    """
+    from megatron_workers.logprob import unpack_next_token, vocab_parallel_logprobs_entropy
+
+    device = logits.device
+    ids = micro["packed_input_ids"].to(device)
+    logprob, entropy = vocab_parallel_logprobs_entropy(logits[:, :-1], ids[:, 1:], real_vocab_size,
+                                                       temperature=temperature)
+    mask, index = micro["packed_mask"].to(device), micro["pack_index"].to(device)
+    seq_len = micro["attention_mask"].shape[1]
+    # unpack_next_token: column k-1 holds the value for original token k; responses are the last R columns.
+    logprob = unpack_next_token(logprob, mask, index, seq_len)[:, -response_length:]
+    entropy = unpack_next_token(entropy, mask, index, seq_len)[:, -response_length:]
+    return logprob, entropy
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, config, role: str):
+        super().__init__()
+        if role not in ROLES:
+            raise ValueError(f"ActorRolloutRefWorker role {role!r} is not one of {ROLES}")
+        self.config: ActorRolloutRefConfig = as_config(config, ActorRolloutRefConfig)
+        self.role = role
+        self.is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self.is_ref = role in ("ref", "actor_rollout_ref")
+        self.is_rollout = role in ("actor_rollout", "actor_rollout_ref")
+        self.actor = None  # MegatronEngine with optimizer
+        self.ref = None  # MegatronEngine, forward only
+        self.rollout = None  # set by attach_rollout (the rollout/resharding work)
+        self.dims = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _megatron_cfg(self):
+        actor_m, ref_m = self.config.actor.megatron, self.config.ref.megatron
+        if self.is_actor and self.is_ref:
+            a = (actor_m.tensor_model_parallel_size, actor_m.pipeline_model_parallel_size,
+                 actor_m.context_parallel_size)
+            r = (ref_m.tensor_model_parallel_size, ref_m.pipeline_model_parallel_size, ref_m.context_parallel_size)
+            if a != r:
+                raise ValueError(f"actor and ref share a process, so their (tp, pp, cp) must match: actor {a}, ref {r}")
+        return actor_m if self.is_actor else ref_m
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        megatron_cfg = self._megatron_cfg()
+        self.dims = init_megatron(megatron_cfg)
+        model_cfg = self.config.model
+        if self.is_actor:
+            self.actor = build_role_engine(model_cfg.path, self.dims, model_cfg.dtype, optim=self.config.actor.optim,
+                                           megatron_cfg=megatron_cfg)
+        if self.is_ref:
+            self.ref = build_role_engine(model_cfg.path, self.dims, model_cfg.dtype)
+        self.set_mesh_coords(MESH, **mesh_coords())
+        if self.is_rollout:
+            self.attach_rollout()
+
+    def attach_rollout(self) -> None:
+        """Hook for the rollout work: build the generation engine and the resharding to it here.
+
+        Called at the end of init_model for the rollout roles, after the actor exists.
+        """
+        logger.info("rollout role %r: no rollout engine attached yet", self.role)
+
+    # ------------------------------------------------------------------ log-probs
+
+    def _logprobs(self, engine, data: DataProto, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        response_length = data.batch["responses"].shape[1]
+        temperature = float(data.meta_info.get("temperature", self.config.rollout.temperature))
+        batch = {k: data.batch[k] for k in ("input_ids", "attention_mask")}
+
+        def post(logits, micro):
+            lp, ent = response_logprobs(logits, micro, response_length, engine.hf_vocab_size, temperature)
+            return {"log_prob": lp.float(), "entropy": ent.float()}
+
+        out = engine.forward_only(batch, micro_batch_size, post)
+        return out["log_prob"], out["entropy"]
+
+    @register(dispatch=Dispatch.DP_COMPUTE_PROTO, mesh=MESH)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """The current policy's log-probs and entropies of the responses: `old_log_probs`, `entropys`."""
+        if self.actor is None:
+            raise RuntimeError(f"compute_log_prob needs the actor; this worker's role is {self.role!r}")
+        log_prob, entropy = self._logprobs(self.actor, data, self.config.rollout.log_prob_micro_batch_size_per_gpu)
+        temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
+        return DataProto.from_dict({"old_log_probs": log_prob, "entropys": entropy},
+                                   meta_info={"temperature": temperature})
+
+    @register(dispatch=Dispatch.DP_COMPUTE_PROTO, mesh=MESH)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        if self.ref is None:
+            raise RuntimeError(f"compute_ref_log_prob needs the ref model; this worker's role is {self.role!r}")
+        log_prob, _ = self._logprobs(self.ref, data, self.config.ref.log_prob_micro_batch_size_per_gpu)
+        return DataProto.from_dict({"ref_log_prob": log_prob})
+
+    # ------------------------------------------------------------------ training
+
+    def _policy_loss_fn(self, response_length: int, temperature: float):
+        from hybridflow.algorithms import agg_loss, compute_policy_loss, kl_penalty
+
+        cfg = self.config.actor
+        low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
+        high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
+        vocab = self.actor.hf_vocab_size
+
+        def loss_fn(logits, micro):
+            log_prob, entropy = response_logprobs(logits, micro, response_length, vocab, temperature)
+            mask = micro["response_mask"].to(log_prob.device)
+            get = lambda k: micro[k].to(log_prob.device)
+            pg = compute_policy_loss(get("old_log_probs"), log_prob, get("advantages"), mask, clip_ratio_low=low,
+                                     clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c,
+                                     loss_agg_mode=cfg.loss_agg_mode)
+            entropy_agg = agg_loss(entropy, mask, cfg.loss_agg_mode)
+            loss = pg["pg_loss"] - cfg.entropy_coeff * entropy_agg
+            metrics = {"pg_loss": pg["pg_loss"], "pg_clipfrac": pg["pg_clipfrac"], "ppo_kl": pg["ppo_kl"],
+                       "pg_clipfrac_lower": pg["pg_clipfrac_lower"], "entropy": entropy_agg}
+            if cfg.use_kl_loss:
+                kl = agg_loss(kl_penalty(log_prob, get("ref_log_prob"), cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+                loss = loss + cfg.kl_loss_coef * kl
+                metrics["kl_loss"] = kl
+            return loss, {k: v.detach() for k, v in metrics.items()}
+
+        return loss_fn
+
+    @register(dispatch=Dispatch.DP_COMPUTE_PROTO, mesh=MESH)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs over mini-batches of this DP shard; returns meta_info['metrics'] (means over updates)."""
+        if self.actor is None:
+            raise RuntimeError(f"update_actor needs the actor; this worker's role is {self.role!r}")
+        cfg = self.config.actor
+        keys = ["input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages"]
+        if cfg.use_kl_loss:
+            keys.append("ref_log_prob")
+        missing = [k for k in keys if k not in data.batch]
+        if missing:
+            raise KeyError(f"update_actor: batch lacks {missing} (has {sorted(data.batch)})")
+        dp_size = self.dims.dp
+        rows = cfg.ppo_mini_batch_size * self.config.rollout.n
+        if rows % dp_size:
+            raise ValueError(f"ppo_mini_batch_size * rollout.n = {rows} is not divisible by the actor DP size "
+                             f"{dp_size}")
+        mini_batch = rows // dp_size
+        response_length = data.batch["responses"].shape[1]
+        temperature = float(data.meta_info.get("temperature", self.config.rollout.temperature))
+        loss_fn = self._policy_loss_fn(response_length, temperature)
+        count_fn = lambda micro: agg_count(micro, cfg.loss_agg_mode)
+        selected = data.select(batch_keys=keys)
+        seed = int(data.meta_info.get("global_step", 0)) + self.config.actor.megatron.seed
+        history: dict[str, list[float]] = {}
+        for mb in selected.make_iterator(mini_batch, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, seed=seed):
+            metrics = self.actor.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn)
+            for k, v in metrics.items():
+                history.setdefault(k, []).append(v)
+        out = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}
+        out["actor/num_updates"] = float(len(history.get("lr", [])))
+        return DataProto(meta_info={"metrics": out})
+
+    # ------------------------------------------------------------------ checkpoints / export
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
+        from megatron_workers.dist_ckpt import save_checkpoint
+
+        engine = self.actor or self.ref
+        save_checkpoint(path, engine.model, engine.optimizer, engine.scheduler, extra=extra)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> dict:
+        """Loads the actor (model, optimizer, LR step); returns the `extra` dict saved with it."""
+        from megatron_workers.dist_ckpt import load_checkpoint
+
+        engine = self.actor or self.ref
+        return load_checkpoint(path, engine.model, engine.optimizer, engine.scheduler)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> list[str] | None:
+        """Write the actor as an HF directory (rank 0 writes; returns the file names there)."""
+        from megatron_workers.hf_io import export_mcore_to_hf, read_hf_config
+
+        engine = self.actor or self.ref
+        path = self.config.model.path
+        return export_mcore_to_hf(engine.model, read_hf_config(path), out_dir, tokenizer_dir=path)

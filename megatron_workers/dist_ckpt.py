@@ -1,0 +1,223 @@
+"""Save and load model + optimizer + trainer state with megatron's dist_checkpointing.
+
+Tensors are stored by their global shape and offset (ShardedTensor), so a
+checkpoint saved at one TP/PP/DP layout loads at another. The distributed
+optimizer's state uses megatron's `fully_sharded_model_space` format, which is
+resharding-safe as well.
+
+Non-tensor state (the LR scheduler's step, the caller's `extra` dict such as
+the trainer step and dataloader state, and the RNG states) goes into the
+checkpoint's common part, written by rank 0. RNG states are rank 0's: all our
+randomness is seeded from the config, and per-rank streams could not be mapped
+onto a different layout anyway.
+
+Atomicity (write to a temp dir, rename, keep the last N) is the trainer's job.
+dist_checkpointing's writer starts a multiprocessing Manager, so a script that
+calls `save_checkpoint` needs an `if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_FILE = "hybridflow_layout.json"
+# 'fully_reshardable': the distributed optimizer's flat buffers are stored per parameter, in model
+# space, so TP/PP/DP may all change between save and load. (megatron 0.16's torch_dist writer
+# rejects the older 'fully_sharded_model_space' format: "flattened_range is not supported".)
+# On CPU the gather must go through gloo (the default path calls .cuda()): the "mem_efficient" variant.
+OPTIMIZER_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available(),
+}
+
+
+# dist_checkpointing modules that ask for CUDA on the save/load paths we use, with the failure:
+_DIST_CKPT_CUDA_MODULES = (
+    # filesystem_async.py preload_tensors: torch.cuda.synchronize() -> "Torch not compiled with CUDA enabled"
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    # state_dict_saver.py: torch.tensor([...], device='cuda') for the cross-rank verify / failure flags
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    # async_utils.py: torch.cuda.synchronize() and is-alive flags on torch.cuda.current_device()
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+)
+
+
+def _cpu_dist_ckpt_compat() -> None:
+    """Point dist_checkpointing's CUDA calls at the CPU, the way cpu_compat does for the training modules.
+
+    This belongs next to the other patches in cpu_compat (it reuses that module's torch view);
+    it lives here until it moves there. No-op with CUDA.
+    """
+    if torch.cuda.is_available():
+        return
+    import importlib
+
+    from megatron_workers import cpu_compat
+
+    cpu_compat.apply_cpu_compat()
+    view = cpu_compat._TORCH_VIEW or cpu_compat._CpuTorchView()
+    for name in _DIST_CKPT_CUDA_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "torch", None) is torch:
+            module.torch = view
+
+
+def _torch_adam_step_compat() -> None:
+    """Let the distributed optimizer load a `fully_reshardable` checkpoint into torch's Adam.
+
+    Without apex/TE (our CPU machines and the GPU box) the inner optimizer is torch.optim.Adam,
+    whose per-param state holds a 'step' tensor next to exp_avg/exp_avg_sq. megatron-core 0.16's
+    `_set_main_param_and_optimizer_states` copies every key of that state from the loaded
+    per-param tensors, which carry only param/exp_avg/exp_avg_sq -> KeyError: 'step'. The step is
+    restored separately (from the param groups), so the copy for 'step' is made a no-op.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__dict__.get("_set_main_param_and_optimizer_states")
+    if original is None or getattr(original, "_hybridflow_step_compat", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+
+    set_states._hybridflow_step_compat = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def _unwrap(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def _model_sharded_state_dict(model: list) -> dict:
+    if len(model) != 1:
+        raise NotImplementedError(f"checkpointing {len(model)} model chunks (virtual pipeline) is not supported")
+    return _unwrap(model[0]).sharded_state_dict()
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "world_size": dist.get_world_size(),
+    }
+
+
+def save_checkpoint(path: str | os.PathLike, model: list, optimizer=None, scheduler=None,
+                    extra: dict | None = None) -> None:
+    """Collective: every rank of the role calls it with the same path."""
+    from megatron.core import dist_checkpointing
+
+    _cpu_dist_ckpt_compat()
+    path = Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    model_sd = _model_sharded_state_dict(model)
+    state = {"model": model_sd, "common": {"extra": extra or {}, "rng": rng_state()}}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA)
+    if scheduler is not None:
+        state["common"]["scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(state, str(path))
+    if dist.get_rank() == 0:
+        (path / LAYOUT_FILE).write_text(json.dumps(_layout()) + "\n")
+    dist.barrier()
+
+
+def load_checkpoint(path: str | os.PathLike, model: list, optimizer=None, scheduler=None,
+                    restore_rng: bool = True) -> dict:
+    """Collective. Loads into the (already built, DDP-wrapped) model and optimizer; returns `extra`.
+
+    Pass optimizer=None to load weights only (e.g. a reference model from an actor checkpoint).
+    """
+    from megatron.core import dist_checkpointing
+
+    _cpu_dist_ckpt_compat()
+    path = Path(path)
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(f"{path} is not a dist_checkpointing checkpoint (no metadata.json)")
+    common = dist_checkpointing.load_common_state_dict(str(path))["common"]
+    if optimizer is not None and not _has_optimizer_state(path):
+        raise ValueError(f"checkpoint {path} has no optimizer state; load with optimizer=None")
+    model_sd = _model_sharded_state_dict(model)
+    state = {"model": model_sd}
+    if optimizer is not None:
+        _torch_adam_step_compat()
+        _ensure_optimizer_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)
+    loaded = dist_checkpointing.load(state, str(path))
+    _unwrap(model[0]).load_state_dict(loaded["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and "scheduler" in common:
+        scheduler.load_state_dict(common["scheduler"])
+    if restore_rng:
+        set_rng_state(common["rng"])
+    saved = saved_layout(path)
+    logger.info("loaded checkpoint %s (saved at %s, now %s)", path, saved, _layout())
+    return common["extra"]
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """Give a fresh (never stepped) torch Adam the state tensors a checkpoint load fills in place.
+
+    Without apex/TE, megatron's DistributedOptimizer.state_dict() reads each param's Adam 'step'
+    and asserts there is exactly one value, so loading into an optimizer that has not stepped
+    fails. The zeros here are overwritten by the load.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+def saved_layout(path: str | os.PathLike) -> dict | None:
+    file = Path(path) / LAYOUT_FILE
+    return json.loads(file.read_text()) if file.exists() else None
+
+
+def _has_optimizer_state(path: Path) -> bool:
+    """Whether the sharded part holds optimizer tensors, read from the torch_dist metadata (no tensors loaded)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)

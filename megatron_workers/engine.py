@@ -1,0 +1,345 @@
+"""MegatronEngine: forward-only and training steps over megatron's pipeline schedules.
+
+One engine holds the model chunks (DDP-wrapped) of one worker role and, for
+trainable roles, its optimizer and LR scheduler. It knows nothing about RL: the
+caller hands it a batch (dict of (B, ...) tensors with `input_ids` and
+`attention_mask`) and closures that turn the model output of a micro-batch
+into results (`post_fn`) or into a loss (`loss_fn`). Those closures run on the
+last pipeline stage only; the engine brings their results to every rank of
+the pipeline.
+
+Padding. Batches arrive as padded rectangles (prompts left-padded, responses
+right-padded). The engine moves each row's valid tokens to the front
+(`logprob.left_justify`) and trims the common right padding, so the model
+runs with plain causal attention and positions 0..L-1, exactly what HF gets
+from position_ids = cumsum(attention_mask) - 1 (megatron's RoPE takes no
+position ids). Padding then sits after every valid token and is never
+attended to. The whole batch is packed at once, so every micro-batch has the
+same width, which megatron's pipeline p2p needs. The closures see the packed
+output plus `packed_mask` / `pack_index` in the micro-batch; `unpack_tokens`
+and `logprob.unpack_next_token` map values back to the original columns.
+
+Loss normalisation is global over the mini-batch: a micro-batch's loss is
+weighted by its share of the mini-batch's tokens (or sequences), summed over
+all micro-batches and data-parallel ranks. That makes one update with DP=d and
+m micro-batches the same as one update on the whole mini-batch in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_workers.logprob import left_justify
+
+logger = logging.getLogger(__name__)
+
+# post_fn(output, micro_batch) -> dict of (b, ...) tensors; loss_fn(output, micro_batch) -> (loss, metrics)
+PostFn = Callable[[torch.Tensor, dict], dict]
+LossFn = Callable[[torch.Tensor, dict], tuple]
+PACKED_KEYS = ("packed_input_ids", "packed_mask", "pack_index")
+
+
+def unpack_tokens(values: torch.Tensor, micro: dict) -> torch.Tensor:
+    """Packed per-position values (b, w, ...) -> original columns (b, S, ...); 0 at padding. Differentiable."""
+    index, mask = micro["pack_index"].to(values.device), micro["packed_mask"].to(values.device)
+    seq_len = micro["attention_mask"].shape[1]
+    b, w = index.shape
+    extra = values.shape[2:]
+    # Padding positions are sent to a spare column S that is cut off afterwards.
+    target = torch.where(mask, index, torch.full_like(index, seq_len))
+    target = target.view(b, w, *([1] * len(extra))).expand(b, w, *extra)
+    out = values.new_zeros(b, seq_len + 1, *extra).scatter(1, target, values)
+    return out[:, :seq_len]
+
+
+def agg_count(micro_batch: dict, loss_agg_mode: str, mask_key: str = "response_mask") -> torch.Tensor:
+    """The quantity a loss_agg_mode averages over: valid tokens (token-mean) or sequences (seq-mean-*)."""
+    mask = micro_batch[mask_key]
+    if loss_agg_mode == "token-mean":
+        return mask.sum().to(torch.float64)
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        return torch.tensor(float(mask.shape[0]), dtype=torch.float64)
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}")
+
+
+def split_micro_batches(batch: dict, micro_batch_size: int) -> list[dict]:
+    n = _batch_size(batch)
+    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _batch_size(batch: dict) -> int:
+    sizes = {k: v.shape[0] for k, v in batch.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"batch tensors disagree on the batch size: {sizes}")
+    return next(iter(sizes.values()))
+
+
+class MegatronEngine:
+    """Runs megatron's forward/backward schedule (any PP size) over padded micro-batches."""
+
+    def __init__(self, model: list, optimizer=None, scheduler=None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.utils import get_model_config
+
+        if len(model) != 1:
+            raise NotImplementedError(f"virtual pipeline (model chunks={len(model)}) is not supported")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.config = get_model_config(model[0])
+        self.module = _unwrap(model[0])  # the GPTModel (DDP unwrapped)
+        self.hf_vocab_size = getattr(self.module, "hf_vocab_size", None)  # real vocab, before TP padding
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        if ps.get_context_parallel_world_size() > 1:
+            raise NotImplementedError("context parallel > 1 needs sequence sharding of the batch; not supported yet")
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
+        if self.pp_size > 1 and self.config.pipeline_dtype is None:
+            self.config.pipeline_dtype = self.config.params_dtype
+        if optimizer is not None:
+            # What megatron's own training loop wires up: grad sync is deferred to the last
+            # micro-batch (no_sync), then finalize_model_grads all-reduces over DP and ties
+            # embedding / sequence-parallel norm grads; scale_loss is the fp16 loss scale (1.0 otherwise).
+            self.config.no_sync_func = model[0].no_sync
+            self.config.finalize_model_grads_func = finalize_model_grads
+            self.config.grad_scale_func = optimizer.scale_loss
+
+    # ------------------------------------------------------------------ helpers
+
+    def _pack(self, batch: dict) -> dict:
+        """Add the left-justified copy of the batch (see module docstring); width is a multiple of TP under SP."""
+        for key in ("input_ids", "attention_mask"):
+            if key not in batch:
+                raise KeyError(f"batch has no {key!r} (keys: {sorted(batch)})")
+        multiple = self.tp_size if self.config.sequence_parallel else 1
+        packed_ids, packed_mask, index = left_justify(batch["input_ids"], batch["attention_mask"], multiple)
+        return {**batch, "packed_input_ids": packed_ids, "packed_mask": packed_mask, "pack_index": index}
+
+    def _run(self, micro_batches: list[dict], forward_only: bool, make_loss: Callable) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs, width = micro_batches[0]["packed_input_ids"].shape
+        if self.pp_size > 1 and any(m["packed_input_ids"].shape != (mbs, width) for m in micro_batches):
+            shapes = [tuple(m["packed_input_ids"].shape) for m in micro_batches]
+            raise ValueError(f"pipeline parallel needs equal micro-batch shapes, got {shapes}")
+        device = next(self.model[0].parameters()).device
+        positions = torch.arange(width, device=device).unsqueeze(0)
+
+        def forward_step(data_iterator, model):
+            micro = next(data_iterator)
+            ids = micro["packed_input_ids"].to(device)
+            # attention_mask=None: plain causal attention, padding is behind every valid token.
+            output = model(ids, positions.expand_as(ids), None)
+            return output, partial(make_loss, micro)
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=width,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+        )
+
+    def _broadcast_from_last_stage(self, obj):
+        """Objects (dicts of tensors / floats) computed on the last PP stage, on every PP rank."""
+        if self.pp_size == 1:
+            return obj
+        holder = [obj if self.is_last_stage else None]
+        dist.broadcast_object_list(holder, src=self.last_stage_rank, group=self.pp_group)
+        return holder[0]
+
+    # ------------------------------------------------------------------ public
+
+    @torch.no_grad()
+    def forward_only(self, batch: dict, micro_batch_size: int, post_fn: PostFn) -> dict[str, torch.Tensor]:
+        """Run the model over `batch` in micro-batches; returns post_fn's outputs concatenated, on every rank."""
+        n = _batch_size(batch)
+        if n == 0:
+            raise ValueError("forward_only got an empty batch")
+        batch = self._pack(batch)
+        # Pipeline p2p needs equal shapes: pad the last micro-batch by repeating its last row.
+        pad_rows = (-n) % micro_batch_size if self.pp_size > 1 else 0
+        if pad_rows:
+            batch = {k: torch.cat([v, v[-1:].expand(pad_rows, *v.shape[1:])]) for k, v in batch.items()}
+        outputs: list[dict] = []
+
+        def make_loss(micro, output):
+            outputs.append({k: v.detach() for k, v in post_fn(output, micro).items()})
+            return torch.zeros((), device=output.device), {}
+
+        for chunk in self.model:
+            chunk.eval()
+        self._run(split_micro_batches(batch, micro_batch_size), forward_only=True, make_loss=make_loss)
+        result = None
+        if self.is_last_stage:
+            result = {k: torch.cat([o[k] for o in outputs])[:n].cpu() for k in outputs[0]}
+        return self._broadcast_from_last_stage(result)
+
+    def train_step(self, batch: dict, micro_batch_size: int, loss_fn: LossFn,
+                   count_fn: Callable[[dict], torch.Tensor]) -> dict[str, float]:
+        """One optimizer update on this rank's share of a mini-batch.
+
+        loss_fn(output, micro) -> (loss, metrics): the micro-batch's loss, aggregated over the
+        micro-batch the way count_fn counts (see agg_count), and scalar metrics aggregated the same way.
+        Returns the mini-batch metrics (weighted exactly like the loss, over all DP ranks), plus
+        `grad_norm` and `lr` (the lr this update used). Same dict on every rank.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train_step on an engine without an optimizer (a forward-only role?)")
+        n = _batch_size(batch)
+        if n == 0 or n % micro_batch_size:
+            raise ValueError(f"train_step: batch size {n} must be a positive multiple of micro_batch_size "
+                             f"{micro_batch_size}")
+        micro_batches = split_micro_batches(self._pack(batch), micro_batch_size)
+        num_micro = len(micro_batches)
+        # Global normaliser: the tokens (or sequences) of the whole mini-batch over all DP ranks.
+        total = torch.stack([count_fn(m) for m in micro_batches]).sum().to(torch.float64)
+        dist.all_reduce(total, group=self.dp_group)
+        total = total.clamp(min=1.0)
+        sums: dict[str, torch.Tensor] = {}
+
+        def make_loss(micro, output):
+            loss, metrics = loss_fn(output, micro)
+            weight = (count_fn(micro) / total).to(loss.dtype)
+            for k, v in {"loss": loss, **metrics}.items():
+                # Clone/detach: the schedule divides the returned loss in place.
+                value = (torch.as_tensor(v).detach().to(torch.float64) * weight.double()).cpu()
+                sums[k] = sums.get(k, 0.0) + value
+            # Undo the schedule's 1/num_microbatches and DDP's 1/dp average: the weights already sum to 1.
+            return loss * weight * (num_micro * self.dp_size), {}
+
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run(micro_batches, forward_only=False, make_loss=make_loss)
+        lr = self.scheduler.current_lr() if self.scheduler is not None else float("nan")
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok and self.scheduler is not None:
+            self.scheduler.step()
+
+        metrics = None
+        if self.is_last_stage:
+            names = sorted(sums)
+            vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in names])
+            dist.all_reduce(vec, group=self.dp_group)
+            metrics = dict(zip(names, vec.tolist()))
+        metrics = self._broadcast_from_last_stage(metrics)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = lr
+        metrics["update_ok"] = float(bool(update_ok))
+        return metrics
+
+
+# ---------------------------------------------------------------------- building one for a worker role
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """ModelConfig.dtype -> torch dtype; 'auto' is bf16 on GPU and fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"model.dtype={name!r} is not one of {['auto', *table]}")
+    return table[name]
+
+
+def init_megatron(megatron_cfg, timeout_s: float = 300.0):
+    """Join the process group (env set by torchrun or the worker group) and build megatron's groups.
+
+    Returns the ParallelDims; dp is whatever the world size leaves after tp * pp * cp.
+    """
+    from hybridflow.parallel.dims import LayoutError, ParallelDims
+    from megatron_workers.parallel_init import init_distributed, init_model_parallel
+
+    _, world_size = init_distributed(timeout_s=timeout_s)
+    tp, pp, cp = (megatron_cfg.tensor_model_parallel_size, megatron_cfg.pipeline_model_parallel_size,
+                  megatron_cfg.context_parallel_size)
+    if world_size % (tp * pp * cp):
+        raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp), sp=megatron_cfg.sequence_parallel)
+    init_model_parallel(dims, seed=megatron_cfg.seed, timeout_s=timeout_s)
+    return dims
+
+
+def mesh_coords() -> dict:
+    """This rank's coordinates for Worker.set_mesh_coords: it collects if tp=0, cp=0 on the last PP stage."""
+    from megatron.core import parallel_state as ps
+
+    tp, cp = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
+    return dict(dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(), tp_rank=tp,
+                pp_rank=ps.get_pipeline_model_parallel_rank(), cp_rank=cp,
+                is_collect=tp == 0 and cp == 0 and ps.is_pipeline_last_stage())
+
+
+def build_role_engine(model_path: str, dims, dtype: str = "auto", optim=None, megatron_cfg=None,
+                      scalar_head: bool = False) -> MegatronEngine:
+    """Build this rank's model from an HF directory, load its weights, and (with `optim`) DDP + optimizer.
+
+    scalar_head=True gives the critic / reward-model network: the LM head is replaced by a
+    hidden -> 1 head (heads.py), loaded from the checkpoint's `score.weight` when it has one
+    (an HF *ForSequenceClassification reward model), freshly initialised otherwise.
+    """
+    from megatron_workers.hf_io import checkpoint_weight_map, load_hf_into_mcore, read_hf_config
+    from megatron_workers.model_builder import SUPPORTED_MODEL_TYPES, build_gpt_model
+
+    hf_config = read_hf_config(model_path)
+    torch_dtype = resolve_dtype(dtype)
+    if scalar_head:
+        # Build and load as the causal-LM body; the vocab-sized output layer is loaded from the
+        # embedding (always present) and then replaced by the scalar head.
+        model_type = hf_config.get("model_type")
+        arch = SUPPORTED_MODEL_TYPES.get(model_type)
+        hf_config = {**hf_config, "tie_word_embeddings": True, **({"architectures": [arch]} if arch else {})}
+        model = build_gpt_model(hf_config, dims, dtype=torch_dtype, share_embeddings=False)
+    else:
+        model = build_gpt_model(hf_config, dims, dtype=torch_dtype)
+    load_hf_into_mcore([model], model_path, hf_config=hf_config)
+    if scalar_head:
+        from megatron_workers.heads import attach_scalar_head
+
+        weights = checkpoint_weight_map(model_path)
+        score = None
+        if "score.weight" in weights:
+            from safetensors import safe_open
+
+            with safe_open(str(weights["score.weight"]), framework="pt") as f:
+                score = f.get_tensor("score.weight")
+        attach_scalar_head(model, weight=score)
+    if optim is None:
+        return MegatronEngine([model])
+    from megatron_workers.optimizer import build_optimizer, wrap_ddp
+
+    use_dist_opt = bool(megatron_cfg.use_distributed_optimizer) if megatron_cfg is not None else False
+    chunks = wrap_ddp([model], use_distributed_optimizer=use_dist_opt)
+    optimizer, scheduler = build_optimizer(chunks, optim, use_distributed_optimizer=use_dist_opt,
+                                           bf16=torch_dtype == torch.bfloat16)
+    return MegatronEngine(chunks, optimizer, scheduler)
+
+
+def as_config(cfg, cls):
+    """A config dataclass from an instance of it, or from a (nested) dict / DictConfig; unknown keys fail."""
+    if isinstance(cfg, cls):
+        return cfg
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), cfg if cfg is not None else {}))
