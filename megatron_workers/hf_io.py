@@ -90,6 +90,22 @@ def checkpoint_weight_map(hf_dir) -> dict[str, Path]:
     return {name: single for name in safetensors_header(single) if name != "__metadata__"}
 
 
+def check_checkpoint(hf_dir, needed_names) -> dict[str, Path]:
+    """Check that every needed tensor is listed and its file is complete, before any tensor data is read."""
+    hf_dir = Path(hf_dir)
+    weight_map = checkpoint_weight_map(hf_dir)
+    missing = sorted(set(needed_names) - weight_map.keys())
+    if missing:
+        where = hf_dir / (INDEX_FILE if (hf_dir / INDEX_FILE).is_file() else SINGLE_FILE)
+        raise CheckpointError(f"{where}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for path in sorted({weight_map[n] for n in needed_names}):
+        header = safetensors_header(path)
+        absent = sorted(n for n in needed_names if weight_map[n] == path and n not in header)
+        if absent:
+            raise CheckpointError(f"{path}: the index lists {absent[:5]} in this file, but the file lacks them")
+    return weight_map
+
+
 class _SliceReader:
     """A hf_mapping.Reader over safetensors files: reads only the requested rows/columns."""
 
@@ -136,16 +152,9 @@ def load_hf_into_mcore(model_chunks, hf_dir, hf_config=None) -> dict:
     chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
     tp_rank, tp_size = _tp_coords()
 
-    # Check everything this rank needs before reading any tensor data.
-    weight_map = checkpoint_weight_map(hf_dir)
     params = [(name, p) for chunk in chunks for name, p in hf_mapping.global_named_parameters(chunk)]
     needed = {hf for name, _ in params for hf in hf_mapping.describe(name, hf_config).hf_names}
-    missing = sorted(needed - weight_map.keys())
-    if missing:
-        where = hf_dir / (INDEX_FILE if (hf_dir / INDEX_FILE).is_file() else SINGLE_FILE)
-        raise CheckpointError(f"{where}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for path in sorted({weight_map[n] for n in needed}):
-        safetensors_header(path)
+    weight_map = check_checkpoint(hf_dir, needed)
 
     read = _SliceReader(weight_map)
     try:
