@@ -132,12 +132,13 @@ def _transformer_engine_usable() -> bool:
 
 def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype = torch.float32):
     """A megatron TransformerConfig equivalent to the HF config, for layout `dims`."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+    # Validate first: bad layouts and configs fail before the (slow) megatron import.
     facts = read_hf_facts(hf_config)
     dims.validate(model=ModelShape.from_hf_config(hf_config))
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype={dtype} is not supported (float32, bfloat16, float16)")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     return TransformerConfig(
         num_layers=facts.num_layers,
         hidden_size=facts.hidden_size,
@@ -195,14 +196,14 @@ def build_gpt_model(
     pre_process/post_process default to "this rank is the first/last PP stage".
     share_embeddings defaults to the HF config's tie_word_embeddings.
     """
+    config = build_transformer_config(hf_config, dims, dtype)  # validates before importing megatron
+    facts = read_hf_facts(hf_config)
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_workers.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()
-    config = build_transformer_config(hf_config, dims, dtype)
-    facts = read_hf_facts(hf_config)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -54,11 +54,12 @@ def init_distributed(timeout_s: float = 120.0, backend: str | None = None) -> tu
 
 def init_model_parallel(dims: ParallelDims, seed: int = 1234, timeout_s: float = 120.0) -> None:
     """Create Megatron's TP/PP/DP/CP groups for `dims` and seed all RNGs (per-TP-rank streams included)."""
+    if not dist.is_initialized():
+        raise RuntimeError("init_model_parallel: call init_distributed() first")
+    dims.validate(world_size=dist.get_world_size())  # before the slow megatron import
     from megatron.core import parallel_state, tensor_parallel
 
     apply_cpu_compat()
-    world_size = dist.get_world_size()
-    dims.validate(world_size=world_size)
     if parallel_state.model_parallel_is_initialized():
         have = (
             parallel_state.get_tensor_model_parallel_world_size(),
