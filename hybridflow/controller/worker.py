@@ -100,8 +100,10 @@ class WorkerHost:
         worker = self._roles[role]
         return worker.get_mesh_coords(mesh), mesh in getattr(worker, "_mesh_coords", {})
 
-    def ping(self) -> tuple[str, int]:
-        return node_ip(), os.getpid()
+    def ping(self) -> dict:
+        import ray
+
+        return {"ip": node_ip(), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
 
 def probe_master() -> tuple[str, int]:

@@ -1,0 +1,154 @@
+"""A multi-node Ray cluster simulated on loopback: each "node" is a `ray start` with its own custom resource.
+
+    python launch/sim_cluster.py start --nodes 2 --port 6390   # prints the address; Ctrl-C stops it
+
+Every node binds 127.0.0.2 and advertises the custom resource node<i>, so a
+ResourcePool(node_resources=["node0", "node1"]) pins one bundle set per node.
+The same commands (without --node-ip-address tricks) start a real cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+IP = "127.0.0.2"
+
+
+def _ray() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _wait_port(port: int, timeout_s: float, proc: subprocess.Popen, log: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray head exited with {proc.returncode}; see {log}:\n{Path(log).read_text()[-2000:]}")
+        with socket.socket() as s:
+            if s.connect_ex((IP, port)) == 0:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"Ray head on {IP}:{port} did not open its port within {timeout_s:.0f} s")
+
+
+class SimCluster:
+    """Each node is a `ray start --block` in its own process group, so stopping it kills only this cluster
+    (`ray stop` would kill every Ray instance on the machine, other test clusters included)."""
+
+    def __init__(self, nodes: int, port: int, cpus_per_node: int = 4, object_store_bytes: int = 512 * 1024**2,
+                 temp_dir: str | None = None):
+        self.nodes, self.port, self.cpus, self.store = nodes, port, cpus_per_node, object_store_bytes
+        # Ray's unix socket paths must stay under ~107 bytes: keep the temp dir short.
+        self.temp_dir = temp_dir or f"/tmp/hf_sim_{port}"
+        os.makedirs(self.temp_dir, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        # Ray's token auth (on by default) shares ~/.ray/auth_token between every cluster on the machine, and
+        # concurrent clusters race on it. This cluster listens on loopback only, so it runs without auth;
+        # drivers must use `self.env` too. A real multi-node cluster keeps token auth (see launch/README.md).
+        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+
+    @property
+    def address(self) -> str:
+        return f"{IP}:{self.port}"
+
+    def _spawn(self, args: list[str]) -> None:
+        log = open(f"{self.temp_dir}/node{len(self.procs)}.log", "w")  # noqa: SIM115 - lives as long as the node
+        self.procs.append(subprocess.Popen([_ray(), "start", "--block", *args], env=self.env, start_new_session=True,
+                                           stdout=log, stderr=subprocess.STDOUT))
+
+    def start(self, timeout_s: float = 180) -> str:
+        common = ["--node-ip-address", IP, f"--num-cpus={self.cpus}", f"--object-store-memory={self.store}",
+                  "--disable-usage-stats"]
+        self._spawn(["--head", f"--port={self.port}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}",
+                     f"--resources={json.dumps({'node0': 1})}", *common])
+        _wait_port(self.port, timeout_s, self.procs[0], f"{self.temp_dir}/node0.log")
+        self._wait_healthy(timeout_s)
+        for i in range(1, self.nodes):
+            self._spawn([f"--address={self.address}", f"--resources={json.dumps({f'node{i}': 1})}", *common])
+        return self.address
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        # The GCS port opens before the head can take drivers; `ray health-check` says when it can.
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ok = subprocess.run([_ray(), "health-check", f"--address={self.address}"], capture_output=True,
+                                env=self.env, timeout=timeout_s).returncode == 0
+            if ok:
+                return
+            time.sleep(1)
+        raise TimeoutError(f"Ray head {self.address} not healthy within {timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 60) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # raylet/gcs may outlive `ray start --block`: take the whole process group down
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.procs.clear()
+        # Some Ray daemons start their own sessions; whatever still names this cluster's temp dir goes too.
+        import psutil
+
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if any(self.temp_dir in arg for arg in proc.info["cmdline"] or []):
+                    proc.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def wait_for_nodes(n: int, timeout_s: float = 180) -> None:
+    """From a connected driver: block until n nodes are alive (every wait has a timeout)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for node in ray.nodes() if node["Alive"]) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {sum(1 for x in ray.nodes() if x['Alive'])} of {n} Ray nodes joined")
+        time.sleep(0.5)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", choices=["start"])
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--port", type=int, default=6390)
+    ap.add_argument("--cpus-per-node", type=int, default=4)
+    ap.add_argument("--object-store-bytes", type=int, default=512 * 1024**2)
+    ap.add_argument("--temp-dir", default=None)
+    a = ap.parse_args()
+    cluster = SimCluster(a.nodes, a.port, a.cpus_per_node, a.object_store_bytes, a.temp_dir)
+    print(cluster.start(), flush=True)
+    try:  # runs until Ctrl-C, then takes the whole simulated cluster down
+        while all(p.poll() is None for p in cluster.procs):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    main()
