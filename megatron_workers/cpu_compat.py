@@ -169,6 +169,13 @@ _CUDA_DEVICE_MODULES = {
     "megatron.core.utils": "global memory buffer on current_device",
     # transformer/utils.py: get_default_causal_mask -> torch.ones(sq, sq, device="cuda") when no mask is passed
     "megatron.core.transformer.utils": "default causal mask on cuda",
+    # dist_checkpointing (measured by the checkpoint helper, megatron_workers/dist_ckpt.py):
+    # filesystem_async.py preload_tensors: torch.cuda.synchronize() -> "Torch not compiled with CUDA enabled"
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "checkpoint writer synchronizes CUDA",
+    # state_dict_saver.py: torch.tensor([...], device='cuda') for the cross-rank verify / failure flags
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "checkpoint verify flags on cuda",
+    # async_utils.py: torch.cuda.synchronize() and is-alive flags on torch.cuda.current_device()
+    "megatron.core.dist_checkpointing.strategies.async_utils": "checkpoint async flags on current_device",
     # tensor_parallel/random.py: CUDA RNG get/set inside the RNG tracker (see _patch_rng_helpers)
     "megatron.core.tensor_parallel.random": "RNG tracker uses the CUDA generator",
 }
