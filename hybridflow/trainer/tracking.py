@@ -1,0 +1,116 @@
+"""Experiment tracking: several backends at once, chosen by `trainer.logger`.
+
+console (a tqdm bar over steps showing reward and throughput), jsonl (one object
+per step, with "step"), tensorboard, wandb (offline: works with no network),
+mlflow (local file store). A backend that cannot start fails at construction,
+before any worker is launched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+class Tracking:
+    def __init__(self, backends: list[str], run_dir: str | Path, project: str, experiment: str,
+                 config: dict | None = None, total_steps: int | None = None, start_step: int = 0):
+        unknown = [b for b in backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"trainer.logger: unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.backends = list(backends)
+        self._bar = self._jsonl = self._tb = self._wandb = self._mlflow = None
+        if "console" in backends:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=f"{experiment}", unit="step",
+                             dynamic_ncols=True)
+        if "jsonl" in backends:
+            # Appending keeps the steps before a resume; the trainer resumes after the last checkpoint.
+            self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finish()
+        if "tensorboard" in backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        if "wandb" in backends:
+            import wandb
+
+            os.environ.setdefault("WANDB_MODE", "offline")
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(project=project, name=experiment, config=config or {},
+                                     dir=str(self.run_dir), mode=os.environ["WANDB_MODE"])
+        if "mlflow" in backends:
+            import mlflow
+
+            mlflow.set_tracking_uri((self.run_dir / "mlruns").resolve().as_uri())
+            mlflow.set_experiment(project)
+            self._mlflow = mlflow.start_run(run_name=experiment)
+            if config:
+                mlflow.log_params({k: str(v)[:250] for k, v in _flatten(config).items()})
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if _finite(v)}
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            self._jsonl.flush()
+        if self._tb:
+            for k, v in clean.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb:
+            self._wandb.log(clean, step=step)
+        if self._mlflow:
+            import mlflow
+
+            mlflow.log_metrics({k.replace("@", "_"): v for k, v in clean.items()}, step=step)
+        if self._bar is not None:
+            post = {}
+            for key, short in (("critic/score/mean", "reward"), ("perf/throughput", "tok/s/dev"),
+                               ("perf/time_per_step", "s/step")):
+                if key in clean:
+                    post[short] = f"{clean[key]:.3g}"
+            self._bar.set_postfix(post, refresh=False)
+            self._bar.update(1)
+
+    def finish(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+        if self._wandb:
+            self._wandb.finish()
+        if self._mlflow:
+            import mlflow
+
+            mlflow.end_run()
+
+
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
