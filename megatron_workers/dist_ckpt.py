@@ -183,6 +183,7 @@ def load_checkpoint(path: str | os.PathLike, model: list, optimizer=None, schedu
     _unwrap(model[0]).load_state_dict(loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(optimizer)
     if scheduler is not None and "scheduler" in common:
         scheduler.load_state_dict(common["scheduler"])
     if restore_rng:
@@ -208,6 +209,23 @@ def _ensure_optimizer_state(optimizer) -> None:
                 if not inner.state[p]:
                     inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                       "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every param its own Adam 'step' tensor after a load.
+
+    megatron-core 0.16's DistributedOptimizer.load_state_dict (torch-Adam path) puts one and the
+    same step tensor into every param's state. torch's Adam increments each param's step in
+    place, so the shared tensor advanced once per parameter per update and the bias correction
+    went wrong: the first update after a resume differed by ~lr. Measured, then fixed here.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 def saved_layout(path: str | os.PathLike) -> dict | None:
