@@ -184,12 +184,14 @@ def _gather_tp(param: torch.Tensor) -> torch.Tensor:
     return hf_mapping.gather_to_full(shards, param)
 
 
-def _stage_hf_tensors(chunks, hf_config) -> list[tuple[str, torch.Tensor]]:
+def _stage_hf_tensors(chunks, hf_config, keep: bool) -> list[tuple[str, torch.Tensor]]:
+    """This stage's HF tensors; every TP rank joins the all-gathers, only `keep` ranks convert and keep them."""
     out = []
     for chunk in chunks:
         for name, param in hf_mapping.global_named_parameters(chunk):
             full = _gather_tp(param)
-            out.extend((hf, t.detach().cpu()) for hf, t in hf_mapping.mcore_full_to_hf(name, full, hf_config))
+            if keep:
+                out.extend((hf, t.detach().cpu()) for hf, t in hf_mapping.mcore_full_to_hf(name, full, hf_config))
     return out
 
 
@@ -268,9 +270,7 @@ def export_mcore_to_hf(model_chunks, hf_config, out_dir, tokenizer_dir=None,
     Returns the written safetensors file names on rank 0, None elsewhere.
     """
     chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
-    local = _stage_hf_tensors(chunks, hf_config)  # every rank takes part in its TP all-gathers
-    if not _is_stage_leader():
-        local = []
+    local = _stage_hf_tensors(chunks, hf_config, keep=_is_stage_leader())
     gathered = _collect_on_rank0(local)
     written = None
     if dist.get_rank() == 0:

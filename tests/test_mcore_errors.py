@@ -87,7 +87,7 @@ def test_world_size_mismatch_and_missing_env(monkeypatch):
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    return save_llama_vocab300(tmp_path_factory.mktemp("ckpt") / "llama300")
+    return save_llama_vocab300(tmp_path_factory.mktemp("ckpt") / "llama300", sharded=False)
 
 
 def _needed(cfg):

@@ -10,8 +10,11 @@ from pathlib import Path
 import torch
 
 
-def save_llama_vocab300(out_dir, tie: bool = False, seed: int = 0) -> Path:
-    """A tiny Llama whose vocab (300) straddles the TP=2 shard boundary (padded 512, 256 rows per rank)."""
+def save_llama_vocab300(out_dir, tie: bool = False, seed: int = 0, sharded: bool = True) -> Path:
+    """A tiny Llama whose vocab (300) straddles the TP=2 shard boundary (padded 512, 256 rows per rank).
+
+    sharded: saved in ~200 KB shards with an index, so loading goes through model.safetensors.index.json.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -29,8 +32,24 @@ def save_llama_vocab300(out_dir, tie: bool = False, seed: int = 0) -> Path:
                 if "norm" in name:
                     p.uniform_(0.5, 1.5)
     out = Path(out_dir)
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size="200KB" if sharded else "10GB")
     return out
+
+
+def load_hf_state(model_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory, single-file or sharded."""
+    import json
+
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
+        "model.safetensors"]
+    state = {}
+    for fname in files:
+        state.update(load_file(str(model_dir / fname)))
+    return state
 
 
 def save_tiny_qwen2(out_dir, tie: bool = True, seed: int = 1) -> Path:

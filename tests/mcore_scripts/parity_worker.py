@@ -107,6 +107,7 @@ def main():
     p.add_argument("--sp", action="store_true")
     p.add_argument("--mbs", type=int, default=0, help="micro-batch size (0: whole batch)")
     p.add_argument("--export-dir")
+    p.add_argument("--export-shard-bytes", type=int, default=2 * 1024**3)
     p.add_argument("--train-step", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -146,7 +147,8 @@ def main():
 
     if args.export_dir:
         t = time.perf_counter()
-        hf_io.export_mcore_to_hf([model], cfg, args.export_dir, tokenizer_dir=args.hf_dir)
+        hf_io.export_mcore_to_hf([model], cfg, args.export_dir, tokenizer_dir=args.hf_dir,
+                                 max_shard_bytes=args.export_shard_bytes)
         times["export"] = time.perf_counter() - t
 
     grad_check = tp_grad_check(vocab, args.tp)
