@@ -317,3 +317,71 @@ def gather_to_full(shards: list[torch.Tensor], param) -> torch.Tensor:
     d, s = lay.partition_dim, lay.partition_stride
     pieces = [shard.chunk(s, dim=d) for shard in shards]  # pieces[rank][stride_index]
     return torch.cat([pieces[r][j] for j in range(s) for r in range(len(shards))], dim=d)
+
+
+# --------------------------------------------------------------------------- one TP shard -> HF regions
+# (added for the resharding engine's weight sync: it has generation-layout shards, never full tensors)
+
+
+@dataclass(frozen=True)
+class HFSlice:
+    """Where part of a Megatron TP shard lies in one full HF tensor: rows/cols [start, stop) of `dim`.
+
+    dim None: `tensor` is the whole HF tensor (replicated parameters).
+    """
+
+    hf_name: str
+    full_shape: tuple[int, ...]
+    dim: int | None
+    start: int
+    stop: int
+    tensor: torch.Tensor
+
+
+def hf_slices_from_mcore_shard(mcore_name: str, shard: torch.Tensor, hf_config, tp_rank: int, tp_size: int,
+                               vocab_rows: tuple[int, int] | None = None) -> list[HFSlice]:
+    """The HF regions of Megatron TP shard `tp_rank` of `tp_size` (global name): per shard, no gather.
+
+    The inverse of `mcore_shard_from_hf` for one shard. Vocab matrices: `shard` holds the real vocab
+    rows `vocab_rows` = [lo, hi) (whatever split the caller uses; no padding rows). The output layer
+    of a tied model maps to nothing.
+    """
+    f = read_hf_facts(hf_config)
+    mp = describe(mcore_name, hf_config)
+    r, t = tp_rank, tp_size
+    rest = tuple(shard.shape[1:])
+    if mp.kind == REPLICATED:
+        return [HFSlice(mp.hf_names[0], tuple(shard.shape), None, 0, 0, shard)]
+    if mp.kind == ROW:
+        n = shard.shape[1]
+        return [HFSlice(mp.hf_names[0], (shard.shape[0], n * t), 1, r * n, (r + 1) * n, shard)]
+    if mp.kind == FC1:
+        gate, up = shard.chunk(2, dim=0)
+        n = gate.shape[0]
+        return [HFSlice(name, (n * t, *rest), 0, r * n, (r + 1) * n, part)
+                for name, part in zip(mp.hf_names, (gate, up))]
+    if mp.kind == QKV:
+        g, qpg, hd = _qkv_counts(f, t)
+        if shard.shape[0] != g * (qpg + 2) * hd:
+            raise ValueError(f"{mcore_name}: shard has {shard.shape[0]} rows, TP {r}/{t} holds {g} query groups "
+                             f"of {qpg}+2 heads of {hd} = {g * (qpg + 2) * hd}")
+        grouped = shard.reshape(g, qpg + 2, hd, *rest)
+        q = grouped[:, :qpg].reshape(g * qpg * hd, *rest)
+        k = grouped[:, qpg].reshape(g * hd, *rest)
+        v = grouped[:, qpg + 1].reshape(g * hd, *rest)
+        return [
+            HFSlice(mp.hf_names[0], (f.num_heads * hd, *rest), 0, r * g * qpg * hd, (r + 1) * g * qpg * hd, q),
+            HFSlice(mp.hf_names[1], (f.num_kv_heads * hd, *rest), 0, r * g * hd, (r + 1) * g * hd, k),
+            HFSlice(mp.hf_names[2], (f.num_kv_heads * hd, *rest), 0, r * g * hd, (r + 1) * g * hd, v),
+        ]
+    if mp.kind == VOCAB:
+        if mcore_name == "output_layer.weight" and f.tie_word_embeddings:
+            return []
+        if vocab_rows is None:
+            raise ValueError(f"{mcore_name}: vocab_rows=(lo, hi) is needed to place a vocab shard")
+        lo, hi = vocab_rows
+        if shard.shape[0] != hi - lo or not 0 <= lo <= hi <= f.vocab_size:
+            raise ValueError(f"{mcore_name}: shard of {shard.shape[0]} rows for vocab rows [{lo}, {hi}) "
+                             f"of vocab_size={f.vocab_size}")
+        return [HFSlice(mp.hf_names[0], (f.vocab_size, *rest), 0, lo, hi, shard)]
+    raise AssertionError(f"unhandled kind {mp.kind}")

@@ -14,7 +14,7 @@ import pytest
 
 from hybridflow.parallel.dims import GenerationDims, LayoutError, ModelShape, ParallelDims
 from hybridflow.resharding.intervals import intersect, local_offset, merge_adjacent, padded_shard, subtract
-from hybridflow.resharding.megatron_specs import global_name, merge_rank_specs
+from hybridflow.resharding.megatron_specs import merge_rank_specs, param_specs
 from hybridflow.resharding.planner import (
     ParamSpec,
     Transfer,
@@ -290,10 +290,27 @@ def test_interval_helpers_by_hand():
     assert padded_shard(200, 64, 4, 3) == ((192, 200),) and padded_shard(10, 64, 2, 1) == ()
 
 
-def test_adapter_names_and_spec_merge():
-    assert global_name("decoder.layers.1.mlp.fc1.weight", {0: 4, 1: 5}) == "decoder.layers.5.mlp.fc1.weight"
-    assert global_name("module.decoder.layers.0.x", {0: 2}) == "module.decoder.layers.2.x"
-    assert global_name("embedding.word_embeddings.weight", {}) == "embedding.word_embeddings.weight"
+def test_adapter_reads_megatron_attributes_and_merges_ranks():
+    import torch
+
+    qkv = torch.nn.Parameter(torch.zeros(6, 4))
+    qkv.tensor_model_parallel, qkv.partition_dim, qkv.partition_stride = True, 0, 1
+    fc1 = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16))
+    fc1.tensor_model_parallel, fc1.partition_dim, fc1.partition_stride = True, 0, 2
+    emb = torch.nn.Parameter(torch.zeros(128, 4))
+    emb.tensor_model_parallel, emb.partition_dim, emb.partition_stride = True, 0, 1
+    norm = torch.nn.Parameter(torch.zeros(4))
+    named = [("decoder.layers.3.qkv", qkv), ("decoder.layers.3.fc1", fc1), ("embedding.word_embeddings.weight", emb),
+             ("decoder.layers.3.norm", norm)]
+    specs, shards = param_specs(named, tp=2, pp_stage=1, vocab_size=200, gen_vocab_pad_multiple=64)
+    assert specs == [
+        ParamSpec("decoder.layers.3.qkv", (12, 4), 4, True, 0, 1, 1),
+        ParamSpec("decoder.layers.3.fc1", (16, 4), 2, True, 0, 2, 1),
+        ParamSpec("embedding.word_embeddings.weight", (256, 4), 4, True, 0, 1, 1, valid_size=200, gen_pad_multiple=64),
+        ParamSpec("decoder.layers.3.norm", (4,), 4, False, 0, 1, 1),
+    ]
+    assert shards["decoder.layers.3.fc1"].data_ptr() == fc1.data_ptr()  # the live parameter, no copy
+
     a = ParamSpec("decoder.layers.2.w", (4,), 4, pp_stage=1)
     b = ParamSpec("embedding.word_embeddings.weight", (8, 2), 4, True, pp_stage=0)
     assert merge_rank_specs([[a], [b], [a]]) == [b, a]  # stage order, duplicates across dp/tp ranks collapse

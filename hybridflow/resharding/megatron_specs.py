@@ -1,78 +1,50 @@
 """Adapter: Megatron parameters -> ParamSpecs, read from each parameter's own TP attributes.
 
 Megatron tags every tensor-parallel parameter with `tensor_model_parallel`, `partition_dim` and
-`partition_stride` (2 for the SwiGLU fc1 [gate; up]). The adapter only scales the local shape
-back to the full one, renames pipeline-local layer numbers to global ones, and marks the two
-vocab-parallel matrices so the generation side splits the real (unpadded) vocab as vLLM does.
-No per-model table: a new architecture with the same attributes needs nothing here.
+`partition_stride` (2 for the SwiGLU fc1 [gate; up]). The adapter only scales the local shape back
+to the full one and marks the vocab-parallel matrices so the generation side splits the real
+(unpadded) vocab as vLLM does. No per-model table: a new architecture with the same attributes
+needs nothing here. Global names (PP layer offsets) come from hf_mapping, the one mapping module.
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Callable, Iterable
 
 import torch
 
 from hybridflow.parallel.dims import LayoutError
 from hybridflow.resharding.planner import ParamSpec
 
-# Megatron's vocab-parallel matrices: rows are the vocab, padded to a multiple of 128 * tp.
+# Megatron's vocab-parallel matrices (rows = the vocab, padded to a multiple of 128 * tp). The
+# HybridEngine asks hf_mapping instead; this default keeps the adapter usable without it.
 VOCAB_PARALLEL_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-_LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 
 
-def unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel under DDP / Float16Module wrappers."""
-    while hasattr(model_chunk, "module") and isinstance(model_chunk.module, torch.nn.Module):
-        model_chunk = model_chunk.module
-    return model_chunk
-
-
-def layer_offsets(model: torch.nn.Module) -> dict[int, int]:
-    """Local layer index -> global layer index, from Megatron's 1-based global `layer_number`."""
-    decoder = getattr(model, "decoder", None)
-    layers = getattr(decoder, "layers", None) or []
-    return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
-
-
-def global_name(local_name: str, offsets: dict[int, int]) -> str:
-    m = _LAYER.match(local_name)
-    if not m:
-        return local_name
-    i = int(m.group(2))
-    if i not in offsets:
-        raise LayoutError(f"parameter {local_name!r}: local layer {i} has no global layer number")
-    return f"{m.group(1)}{offsets[i]}{m.group(3)}"
-
-
-def megatron_param_specs(
-    model_chunk: torch.nn.Module,
+def param_specs(
+    named_params: Iterable[tuple[str, torch.Tensor]],
     tp: int,
     pp_stage: int,
     vocab_size: int | None = None,
     gen_vocab_pad_multiple: int = 1,
+    is_vocab: Callable[[str], bool] | None = None,
 ) -> tuple[list[ParamSpec], dict[str, torch.Tensor]]:
-    """This rank's ParamSpecs and {global name: local training shard} for one model chunk.
+    """This rank's ParamSpecs and {name: local training shard} from (global name, Megatron parameter) pairs.
 
+    Names must already be global (hf_mapping.global_named_parameters adds the stage's layer offset).
     vocab_size: the real (HF) vocab; with it the vocab-parallel matrices carry `valid_size` so padding
     rows are never sent, and the generation split pads to `gen_vocab_pad_multiple` (vLLM: 64).
-    The output layer of a model that shares it with the embedding is skipped: there is one matrix.
     """
-    model = unwrap(model_chunk)
-    offsets = layer_offsets(model)
-    tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
+    is_vocab = is_vocab or (lambda name: name in VOCAB_PARALLEL_PARAMS)
     specs, shards = [], {}
-    for local, param in model.named_parameters():
-        if tied and local == "output_layer.weight":
-            continue
-        name = global_name(local, offsets)
+    for name, param in named_params:
         is_tp = bool(getattr(param, "tensor_model_parallel", False))
         dim = int(getattr(param, "partition_dim", 0)) if is_tp else 0
         stride = int(getattr(param, "partition_stride", 1)) if is_tp else 1
         shape = list(param.shape)
         if is_tp:
             shape[dim] *= tp
-        vocab = is_tp and local in VOCAB_PARALLEL_PARAMS and vocab_size is not None
+        vocab = is_tp and vocab_size is not None and is_vocab(name)
         specs.append(ParamSpec(
             name=name,
             full_shape=tuple(shape),

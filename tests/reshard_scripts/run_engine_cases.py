@@ -3,10 +3,10 @@
 Usage: python tests/reshard_scripts/run_engine_cases.py [--world 4] [--cases t,p,tg ...]
 
 Every rank builds the same synthetic Llama-shaped full tensors from a seed, keeps the Megatron
-training shard of its stage (cut here by plain chunking, independently of the planner), wraps
-them in a module carrying Megatron's TP attributes and pipeline-local layer numbers, and goes
-through the adapter -> planner -> engine. The result is compared with the generation shard cut
-directly from the full tensor (vLLM's vocab split for the vocab matrices). The naive all-gather
+training shard of its stage (cut here by plain chunking, independently of the planner) as
+parameters carrying Megatron's TP attributes, and goes through the adapter -> planner -> engine.
+The result is compared with the generation shard cut directly from the full tensor (vLLM's vocab
+split for the vocab matrices). The naive all-gather
 baseline is checked the same way. One JSON line per case and rank goes to stdout.
 """
 
@@ -75,18 +75,9 @@ def stage_of(name: str, p: int) -> int:
     return p - 1
 
 
-class FakeLayer(torch.nn.Module):
-    def __init__(self, layer_number: int):
-        super().__init__()
-        self.layer_number = layer_number  # Megatron: 1-based global number
-
-
-def stage_module(fulls, t: int, p: int, tp_rank: int, pp_rank: int) -> torch.nn.Module:
-    """A module shaped like a Megatron GPTModel chunk: local layer numbering, params with TP attributes."""
-    root = torch.nn.Module()
-    per_stage = LAYERS // p
-    root.decoder = torch.nn.Module()
-    root.decoder.layers = torch.nn.ModuleList(FakeLayer(pp_rank * per_stage + i + 1) for i in range(per_stage))
+def stage_params(fulls, t: int, p: int, tp_rank: int, pp_rank: int) -> list[tuple[str, torch.nn.Parameter]]:
+    """(global name, parameter) of this rank's stage, each tagged with Megatron's TP attributes."""
+    out = []
     for name, (full, attrs) in fulls.items():
         if stage_of(name, p) != pp_rank:
             continue
@@ -94,25 +85,14 @@ def stage_module(fulls, t: int, p: int, tp_rank: int, pp_rank: int) -> torch.nn.
         if attrs["tp"]:
             param.tensor_model_parallel = True
             param.partition_dim, param.partition_stride = attrs["dim"], attrs["stride"]
-        local = name
-        if name.startswith("decoder.layers."):
-            parts = name.split(".")
-            parts[2] = str(int(parts[2]) - pp_rank * per_stage)
-            local = ".".join(parts)
-        owner = root
-        *path, leaf = local.split(".")
-        for step in path:
-            if not hasattr(owner, step):
-                owner.add_module(step, torch.nn.Module())
-            owner = getattr(owner, step)
-        owner.register_parameter(leaf, param)
-    return root
+        out.append((name, param))
+    return out
 
 
 def run_case(rank: int, t: int, p: int, t_g: int, world: int) -> dict:
     from hybridflow.parallel.dims import GenerationDims, ParallelDims
     from hybridflow.resharding.engine import ReshardEngine
-    from hybridflow.resharding.megatron_specs import gather_param_specs, megatron_param_specs
+    from hybridflow.resharding.megatron_specs import gather_param_specs, param_specs
     from hybridflow.resharding.naive import NaiveAllGather
     from hybridflow.resharding.planner import plan_resharding
 
@@ -120,8 +100,8 @@ def run_case(rank: int, t: int, p: int, t_g: int, world: int) -> dict:
     dims, gen = ParallelDims(tp=t, pp=p, dp=d), GenerationDims(tp=t_g)
     me = dims.coords(rank)
     fulls = full_tensors(t)
-    module = stage_module(fulls, t, p, me["tp"], me["pp"])
-    local_specs, shards = megatron_param_specs(module, t, me["pp"], vocab_size=V, gen_vocab_pad_multiple=VLLM_VOCAB_PAD)
+    named = stage_params(fulls, t, p, me["tp"], me["pp"])
+    local_specs, shards = param_specs(named, t, me["pp"], vocab_size=V, gen_vocab_pad_multiple=VLLM_VOCAB_PAD)
     plan = plan_resharding(dims, gen, gather_param_specs(local_specs))
     j = plan.placements[rank].gen_tp
 
