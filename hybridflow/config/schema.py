@@ -87,6 +87,9 @@ class RolloutConfig:
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
+    # Skip the separate old-log-prob pass when the update is exactly on-policy (one epoch, one mini-batch):
+    # then old_log_prob == the update's own forward, detached. auto | true | false
+    recompute_old_log_prob: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -178,6 +181,8 @@ class TrainerConfig:
     resume_mode: str = "auto"  # auto | disable | <path>
     default_local_dir: str = "runs/${trainer.experiment_name}"
     placement: str = "colocate"  # colocate | split
+    device_peak_flops: float | None = None  # per device, for perf/mfu/actor; None: a table for known devices
+    val_before_train: bool = False
     ray: RayConfig = field(default_factory=RayConfig)
 
 

@@ -1,0 +1,260 @@
+"""The single controller's RL loop: a plain Python loop of named stages, one worker-group call each.
+
+    gen -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
+    (the weight resync to the rollout engine runs at the start of the next gen, inside the workers)
+
+Everything heavy runs in the SPMD worker groups; the driver only holds batches,
+computes rewards and advantages, and logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms import apply_kl_penalty, compute_advantage, make_kl_controller
+from hybridflow.config.load import to_dict
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.protocol import DataProto
+from hybridflow.trainer import metrics as M
+from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.tracking import Tracking, read_jsonl
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peaks per device, for perf/mfu/actor (say which one was used: it is logged at start).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+@contextlib.contextmanager
+def timer(name: str, timings: dict):
+    t = time.perf_counter()
+    yield
+    timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
+
+
+def device_peak_flops(cfg: HybridFlowConfig) -> tuple[float, str]:
+    if cfg.trainer.device_peak_flops:
+        return float(cfg.trainer.device_peak_flops), "config"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, peak in PEAK_FLOPS.items():
+            if key in name:
+                return peak, f"{key} dense bf16"
+        return 989e12, "unknown GPU, H100 dense bf16 assumed"
+    # One worker thread of an AVX2 core: 2 FMA units x 8 fp32 lanes x 2 flops x ~2.5 GHz.
+    return 80e9, "one AVX2 core fp32 (estimate)"
+
+
+class RayPPOTrainer:
+    def __init__(self, cfg: HybridFlowConfig, tokenizer, train_dataset, sampler, reward_fn, actor_rollout_ref,
+                 critic=None, ref_in_actor: bool = True):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.dataset = train_dataset
+        self.sampler = sampler
+        self.reward_fn = reward_fn
+        self.arr = actor_rollout_ref
+        self.critic = critic
+        self.use_critic = critic is not None
+        self.use_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+        self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
+        self.run_dir = Path(cfg.trainer.default_local_dir)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+        self.n_devices = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+        self.peak_flops, self.peak_source = device_peak_flops(cfg)
+        self.global_step = 0
+        self.n_params = None
+
+    # ---------------------------------------------------------------- data
+    def total_steps(self) -> int:
+        if self.cfg.trainer.total_training_steps:
+            return int(self.cfg.trainer.total_training_steps)
+        return len(self.sampler) * self.cfg.trainer.total_epochs
+
+    def next_batch(self) -> DataProto:
+        from hybridflow.data.rl_dataset import collate
+
+        idx = self.sampler.next_batch()
+        rows = [self.dataset[i] for i in idx]
+        tensors, objects = collate(rows, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length)
+        objects["uid"] = np.array([str(uuid.uuid4()) for _ in rows], dtype=object)
+        return DataProto.from_dict(tensors, objects, {"global_step": self.global_step})
+
+    # ---------------------------------------------------------------- stages
+    def compute_reward(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
+        from hybridflow.rewards.manager import scores_to_token_level
+
+        responses = batch.batch["responses"]
+        mask = batch.batch["response_mask"].bool()
+        texts = [self.tokenizer.decode(r[m].tolist(), skip_special_tokens=True) for r, m in zip(responses, mask,
+                                                                                                strict=True)]
+        nt = batch.non_tensor_batch
+        scores, metrics = self.reward_fn.score(texts, list(nt["ground_truth"]), list(nt["data_source"]),
+                                               list(nt.get("extra_info", [None] * len(texts))))
+        return scores_to_token_level(scores, batch.batch["response_mask"]), metrics
+
+    def compute_advantages(self, batch: DataProto) -> dict:
+        alg = self.cfg.algorithm
+        b = batch.batch
+        out = {}
+        if alg.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_penalty(b["token_level_scores"], b["old_log_probs"], b["ref_log_prob"],
+                                                   b["response_mask"], self.kl_ctrl, alg.kl_penalty)
+            out.update(kl_metrics)
+        else:
+            rewards = b["token_level_scores"]
+        adv, ret = compute_advantage(alg.adv_estimator, rewards, b["response_mask"], values=b.get("values"),
+                                     index=batch.non_tensor_batch["uid"], gamma=alg.gamma, lam=alg.lam,
+                                     norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        batch.batch["token_level_rewards"] = rewards
+        batch.batch["advantages"] = adv
+        batch.batch["returns"] = ret
+        return out
+
+    def skip_old_log_prob(self) -> bool:
+        a = self.cfg.actor_rollout_ref
+        mode = str(a.recompute_old_log_prob).lower()
+        if mode in ("true", "1"):
+            return False
+        if mode in ("false", "0"):
+            return True
+        # auto: one epoch over one mini-batch is exactly on-policy, so the update's own forward is old_log_prob.
+        return a.actor.ppo_epochs == 1 and a.actor.ppo_mini_batch_size == self.cfg.data.train_batch_size
+
+    def step(self) -> dict:
+        timings: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        t_step = time.perf_counter()
+        batch = self.next_batch()
+        batch.meta_info["global_step"] = self.global_step
+        with timer("gen", timings):
+            gen = self.arr.generate_sequences(batch)
+        metrics.update(M.reduce_worker_metrics(gen.meta_info.pop("metrics", {})))
+        batch = gen
+        with timer("reward", timings):
+            scores, reward_metrics = self.compute_reward(batch)
+            batch.batch["token_level_scores"] = scores
+        metrics.update(reward_metrics)
+        skip_old = self.skip_old_log_prob()
+        if not skip_old:
+            with timer("old_log_prob", timings):
+                old = self.arr.compute_log_prob(batch)
+                batch.union(old.select(batch_keys=["old_log_probs"]))
+                metrics["actor/entropy_rollout"] = float(
+                    (old.batch["entropys"] * batch.batch["response_mask"]).sum() / batch.batch["response_mask"].sum())
+        else:
+            # On-policy single update: the update computes the ratio against its own detached forward.
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            batch.meta_info["old_log_prob_from_update"] = True
+        if self.use_ref:
+            with timer("ref", timings):
+                batch.union(self.arr.compute_ref_log_prob(batch))
+        if self.use_critic:
+            with timer("values", timings):
+                batch.union(self.critic.compute_values(batch))
+        with timer("adv", timings):
+            metrics.update(self.compute_advantages(batch))
+        if self.use_critic:
+            with timer("update_critic", timings):
+                out = self.critic.update_critic(batch)
+                metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
+        with timer("update_actor", timings):
+            out = self.arr.update_actor(batch)
+            metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
+        step_time = time.perf_counter() - t_step
+        n_prompt, n_resp = M.token_counts(batch)
+        metrics.update(M.data_metrics(batch, self.use_critic))
+        metrics.update(M.timing_metrics(timings, n_prompt, n_resp))
+        # actor FLOPs: one forward per log-prob pass (old, ref) + 3 for the update (fwd + bwd)
+        passes = 3 + (0 if skip_old else 1) + (1 if self.use_ref else 0)
+        flops = M.transformer_flops(self.n_params or 0, n_prompt + n_resp, passes) if self.n_params else None
+        metrics.update(M.throughput_metrics(n_prompt, n_resp, step_time, self.n_devices, flops, self.peak_flops))
+        if "timing_s/reshard" in metrics:
+            metrics["perf/transition_s"] = metrics["timing_s/reshard"]
+        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/epoch"] = float(self.sampler.epoch)
+        metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
+        return metrics
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self) -> Path:
+        staging = self.ckpt.staging_dir(self.global_step)
+        self.arr.save_checkpoint(str(staging / "actor"), {"global_step": self.global_step})
+        if self.use_critic:
+            self.critic.save_checkpoint(str(staging / "critic"), {"global_step": self.global_step})
+        state = {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
+                 "kl_coef": float(self.kl_ctrl.value), "torch_rng": torch.get_rng_state().tolist(),
+                 "numpy_rng": None}
+        return self.ckpt.commit(self.global_step, staging, state)
+
+    def maybe_resume(self) -> int:
+        mode = str(self.cfg.trainer.resume_mode)
+        if mode == "disable":
+            return 0
+        if mode == "auto":
+            found = self.ckpt.latest()
+            if found is None:
+                return 0
+            step, path = found
+        else:
+            path = Path(mode)
+            if not (path / "COMPLETE").is_file():
+                raise FileNotFoundError(f"trainer.resume_mode={mode}: no complete checkpoint there")
+        state = CheckpointManager.trainer_state(path)
+        self.arr.load_checkpoint(str(path / "actor"))
+        if self.use_critic:
+            self.critic.load_checkpoint(str(path / "critic"))
+        self.sampler.load_state_dict(state["sampler"])
+        if hasattr(self.kl_ctrl, "value"):
+            self.kl_ctrl.value = state["kl_coef"]
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        self.global_step = int(state["global_step"])
+        log.info("resumed from %s at step %d", path, self.global_step)
+        return self.global_step
+
+    # ---------------------------------------------------------------- loop
+    def fit(self) -> list[dict]:
+        total = self.total_steps()
+        self.maybe_resume()
+        log.info("perf/mfu/actor uses a peak of %.3g FLOP/s per device (%s)", self.peak_flops, self.peak_source)
+        tracker = Tracking(self.cfg.trainer.logger, self.run_dir, self.cfg.trainer.project_name,
+                           self.cfg.trainer.experiment_name, to_dict(self.cfg), total_steps=total,
+                           start_step=self.global_step)
+        history = []
+        try:
+            while self.global_step < total:
+                self.global_step += 1
+                m = self.step()
+                tracker.log(m, self.global_step)
+                history.append({"step": self.global_step, **m})
+                sf = self.cfg.trainer.save_freq
+                if sf > 0 and (self.global_step % sf == 0 or self.global_step == total):
+                    self.save()
+        finally:
+            tracker.finish()
+        return history
+
+    def finish(self, history: list[dict]) -> None:
+        from hybridflow.trainer.plots import plot_curves
+        from hybridflow.trainer.summary import print_summary
+
+        rows = read_jsonl(self.run_dir / "metrics.jsonl") if (self.run_dir / "metrics.jsonl").is_file() else history
+        if rows:
+            png = plot_curves(rows, self.run_dir / "curves.png", title=self.cfg.trainer.experiment_name)
+            log.info("curves: %s", png)
+            print_summary(rows)
+
+
+def _metrics_of(out) -> dict | list:
+    if isinstance(out, DataProto):
+        return out.meta_info.get("metrics", {})
+    if isinstance(out, list):
+        return [o.meta_info.get("metrics", {}) for o in out if isinstance(o, DataProto)]
+    return {}
