@@ -71,28 +71,29 @@ def attach_scalar_head(model, weight: torch.Tensor | None = None) -> ScalarHead 
     return head
 
 
-def response_values(output: torch.Tensor, response_length: int) -> torch.Tensor:
-    """(B, S, 1) head output -> (B, R) values of the states before each response token.
+def response_values(values: torch.Tensor, response_length: int) -> torch.Tensor:
+    """Per-position values (B, S) -> (B, R) values of the states before each response token.
 
     The value of response token t is read at the position that predicts it (t - 1),
     the same alignment as log-probs: positions S-R-1 .. S-2.
     """
-    return output[:, -response_length - 1 : -1, 0]
+    return values[:, -response_length - 1 : -1]
 
 
-def last_token_scores(output: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
-    """(B, S, 1) head output -> (B, R) token-level scores: the score of the last valid token, at its response slot.
+def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
+    """Per-position scores (B, S) -> (B, R) token-level scores: the last valid token's score, at its response slot.
 
-    An empty response (no valid response token) puts the score on response slot 0.
+    An empty response (no valid response token) puts the prompt's last score on response slot 0.
     """
     b, s = attention_mask.shape
-    positions = torch.arange(s, device=attention_mask.device).expand(b, s)
-    last = torch.where(attention_mask.bool(), positions, torch.full_like(positions, -1)).amax(dim=1)
+    mask = attention_mask.to(values.device).bool()
+    positions = torch.arange(s, device=values.device).expand(b, s)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=1)
     if (last < 0).any():
         rows = (last < 0).nonzero().flatten().tolist()
         raise ValueError(f"rows {rows} have no valid token (attention_mask all zero)")
-    score = output[torch.arange(b, device=output.device), last.to(output.device), 0]
+    rows = torch.arange(b, device=values.device)
     slot = (last - (s - response_length)).clamp(min=0, max=response_length - 1)
-    scores = torch.zeros(b, response_length, dtype=output.dtype, device=output.device)
-    scores[torch.arange(b), slot.to(output.device)] = score
+    scores = torch.zeros(b, response_length, dtype=values.dtype, device=values.device)
+    scores[rows, slot] = values[rows, last]
     return scores
