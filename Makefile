@@ -31,10 +31,11 @@ test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
+	$(PY) -m hybridflow.trainer.warmstart --out runs/demo_assets
 	$(PY) -m hybridflow.trainer.main --config $(CONFIG)
 
 demo-grpo: $(STAMP)
-	$(PY) -m hybridflow.trainer.main --config configs/grpo_tiny_cpu.yaml
+	$(MAKE) demo CONFIG=configs/grpo_tiny_cpu.yaml
 
 bench: $(STAMP)
 	$(PY) launch/bench_controller.py

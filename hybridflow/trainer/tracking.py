@@ -50,6 +50,8 @@ class Tracking:
         if "mlflow" in backends:
             import mlflow
 
+            # A local file store needs no server; mlflow 3 asks for an explicit opt-in to it.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((self.run_dir / "mlruns").resolve().as_uri())
             mlflow.set_experiment(project)
             self._mlflow = mlflow.start_run(run_name=experiment)
