@@ -14,6 +14,7 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
 from megatron_workers.engine import agg_count, as_config, build_role_engine, init_megatron, mesh_coords, unpack_tokens
 from megatron_workers.heads import response_values
+from megatron_workers.offload import make_offloader
 
 MESH = "critic"
 
@@ -28,6 +29,7 @@ class CriticWorker(Worker):
         super().__init__()
         self.config: CriticConfig = as_config(config, CriticConfig)
         self.engine = None
+        self.offload = None
         self.dims = None
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -36,7 +38,9 @@ class CriticWorker(Worker):
         self.dims = init_megatron(cfg.megatron)
         self.engine = build_role_engine(cfg.model.path, self.dims, cfg.model.dtype, optim=cfg.optim,
                                         megatron_cfg=cfg.megatron, scalar_head=True)
+        self.offload = make_offloader(self.engine, cfg.megatron)
         self.set_mesh_coords(MESH, **mesh_coords())
+        self.offload.offload()
 
     @register(dispatch=Dispatch.DP_COMPUTE_PROTO, mesh=MESH)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -47,7 +51,8 @@ class CriticWorker(Worker):
             return {"values": packed_response_values(output, micro, response_length).float()}
 
         batch = {k: data.batch[k] for k in ("input_ids", "attention_mask")}
-        out = self.engine.forward_only(batch, self.config.ppo_micro_batch_size_per_gpu, post)
+        with self.offload.resident():
+            out = self.engine.forward_only(batch, self.config.ppo_micro_batch_size_per_gpu, post)
         return DataProto.from_dict({"values": out["values"] * mask.to(out["values"].dtype)})
 
     @register(dispatch=Dispatch.DP_COMPUTE_PROTO, mesh=MESH)
@@ -80,11 +85,13 @@ class CriticWorker(Worker):
         count_fn = lambda micro: agg_count(micro, cfg.loss_agg_mode)
         seed = int(data.meta_info.get("global_step", 0)) + cfg.megatron.seed
         history: dict[str, list[float]] = {}
-        for mb in data.select(batch_keys=keys).make_iterator(rows // self.dims.dp, epochs=cfg.ppo_epochs,
-                                                             shuffle=False, seed=seed):
-            metrics = self.engine.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn)
-            for k, v in metrics.items():
-                history.setdefault(k, []).append(v)
+        batches = data.select(batch_keys=keys).make_iterator(rows // self.dims.dp, epochs=cfg.ppo_epochs,
+                                                             shuffle=False, seed=seed)
+        with self.offload.resident():
+            for mb in batches:
+                metrics = self.engine.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn)
+                for k, v in metrics.items():
+                    history.setdefault(k, []).append(v)
         out = {f"critic/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}
         return DataProto(meta_info={"metrics": out})
 
@@ -93,11 +100,13 @@ class CriticWorker(Worker):
         from megatron_workers.dist_ckpt import save_checkpoint
 
         e = self.engine
-        save_checkpoint(path, e.model, e.optimizer, e.scheduler, extra=extra)
+        with self.offload.resident():
+            save_checkpoint(path, e.model, e.optimizer, e.scheduler, extra=extra)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
         from megatron_workers.dist_ckpt import load_checkpoint
 
         e = self.engine
-        return load_checkpoint(path, e.model, e.optimizer, e.scheduler)
+        with self.offload.resident():
+            return load_checkpoint(path, e.model, e.optimizer, e.scheduler)

@@ -13,6 +13,7 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
 from megatron_workers.engine import as_config, build_role_engine, init_megatron, mesh_coords, unpack_tokens
 from megatron_workers.heads import last_token_scores
+from megatron_workers.offload import Offloader
 
 MESH = "reward"
 
@@ -22,13 +23,16 @@ class RewardModelWorker(Worker):
         super().__init__()
         self.config: RewardModelConfig = as_config(config, RewardModelConfig)
         self.engine = None
+        self.offload = None
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         cfg = self.config
         dims = init_megatron(cfg.megatron)
         self.engine = build_role_engine(cfg.model.path, dims, cfg.model.dtype, scalar_head=True)
+        self.offload = Offloader(self.engine, params=cfg.megatron.param_offload, grads=False, optimizer=False)
         self.set_mesh_coords(MESH, **mesh_coords())
+        self.offload.offload()
 
     @register(dispatch=Dispatch.DP_COMPUTE_PROTO, mesh=MESH)
     def compute_rm_score(self, data: DataProto) -> DataProto:
@@ -39,5 +43,6 @@ class RewardModelWorker(Worker):
             return {"rm_scores": last_token_scores(scores, micro["attention_mask"], response_length).float()}
 
         batch = {k: data.batch[k] for k in ("input_ids", "attention_mask")}
-        out = self.engine.forward_only(batch, self.config.micro_batch_size_per_gpu, post)
+        with self.offload.resident():
+            out = self.engine.forward_only(batch, self.config.micro_batch_size_per_gpu, post)
         return DataProto.from_dict({"rm_scores": out["rm_scores"]})
