@@ -24,10 +24,11 @@ from hybridflow.config.schema import ActorRolloutRefConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
 from megatron_workers.engine import agg_count, as_config, build_role_engine, init_megatron, mesh_coords
+from megatron_workers.offload import Offloader, make_offloader
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("actor", "ref", "actor_rollout", "actor_rollout_ref")
+ROLES = ("actor", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 MESH = "actor"
 
 
@@ -58,13 +59,15 @@ class ActorRolloutRefWorker(Worker):
             raise ValueError(f"ActorRolloutRefWorker role {role!r} is not one of {ROLES}")
         self.config: ActorRolloutRefConfig = as_config(config, ActorRolloutRefConfig)
         self.role = role
-        self.is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
-        self.is_ref = role in ("ref", "actor_rollout_ref")
+        self.is_actor = role in ("actor", "actor_ref", "actor_rollout", "actor_rollout_ref")
+        self.is_ref = role in ("ref", "actor_ref", "actor_rollout_ref")
         self.is_rollout = role in ("actor_rollout", "actor_rollout_ref")
         self.actor = None  # MegatronEngine with optimizer
         self.ref = None  # MegatronEngine, forward only
         self.rollout = None  # set by attach_rollout (the rollout/resharding work)
         self.dims = None
+        self.actor_offload = None  # Offloader: training state off the device between calls
+        self.ref_offload = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -86,11 +89,17 @@ class ActorRolloutRefWorker(Worker):
         if self.is_actor:
             self.actor = build_role_engine(model_cfg.path, self.dims, model_cfg.dtype, optim=self.config.actor.optim,
                                            megatron_cfg=megatron_cfg)
+            self.actor_offload = make_offloader(self.actor, self.config.actor.megatron)
         if self.is_ref:
             self.ref = build_role_engine(model_cfg.path, self.dims, model_cfg.dtype)
+            ref_m = self.config.ref.megatron
+            self.ref_offload = Offloader(self.ref, params=ref_m.param_offload, grads=False, optimizer=False)
         self.set_mesh_coords(MESH, **mesh_coords())
         if self.is_rollout:
             self.attach_rollout()
+        for offloader in (self.actor_offload, self.ref_offload):
+            if offloader is not None:
+                offloader.offload()
 
     def attach_rollout(self) -> None:
         """Hook for the rollout work: build the generation engine and the resharding to it here.
@@ -118,7 +127,9 @@ class ActorRolloutRefWorker(Worker):
         """The current policy's log-probs and entropies of the responses: `old_log_probs`, `entropys`."""
         if self.actor is None:
             raise RuntimeError(f"compute_log_prob needs the actor; this worker's role is {self.role!r}")
-        log_prob, entropy = self._logprobs(self.actor, data, self.config.rollout.log_prob_micro_batch_size_per_gpu)
+        with self.actor_offload.resident():
+            log_prob, entropy = self._logprobs(self.actor, data,
+                                               self.config.rollout.log_prob_micro_batch_size_per_gpu)
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
         return DataProto.from_dict({"old_log_probs": log_prob, "entropys": entropy},
                                    meta_info={"temperature": temperature})
@@ -127,7 +138,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         if self.ref is None:
             raise RuntimeError(f"compute_ref_log_prob needs the ref model; this worker's role is {self.role!r}")
-        log_prob, _ = self._logprobs(self.ref, data, self.config.ref.log_prob_micro_batch_size_per_gpu)
+        with self.ref_offload.resident():
+            log_prob, _ = self._logprobs(self.ref, data, self.config.ref.log_prob_micro_batch_size_per_gpu)
         return DataProto.from_dict({"ref_log_prob": log_prob})
 
     # ------------------------------------------------------------------ training
@@ -184,10 +196,11 @@ class ActorRolloutRefWorker(Worker):
         selected = data.select(batch_keys=keys)
         seed = int(data.meta_info.get("global_step", 0)) + self.config.actor.megatron.seed
         history: dict[str, list[float]] = {}
-        for mb in selected.make_iterator(mini_batch, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, seed=seed):
-            metrics = self.actor.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn)
-            for k, v in metrics.items():
-                history.setdefault(k, []).append(v)
+        with self.actor_offload.resident():
+            for mb in selected.make_iterator(mini_batch, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, seed=seed):
+                metrics = self.actor.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn)
+                for k, v in metrics.items():
+                    history.setdefault(k, []).append(v)
         out = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}
         out["actor/num_updates"] = float(len(history.get("lr", [])))
         return DataProto(meta_info={"metrics": out})
@@ -198,22 +211,29 @@ class ActorRolloutRefWorker(Worker):
     def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
         from megatron_workers.dist_ckpt import save_checkpoint
 
-        engine = self.actor or self.ref
-        save_checkpoint(path, engine.model, engine.optimizer, engine.scheduler, extra=extra)
+        engine, offload = self._main_engine()
+        with offload.resident():
+            save_checkpoint(path, engine.model, engine.optimizer, engine.scheduler, extra=extra)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
         """Loads the actor (model, optimizer, LR step); returns the `extra` dict saved with it."""
         from megatron_workers.dist_ckpt import load_checkpoint
 
-        engine = self.actor or self.ref
-        return load_checkpoint(path, engine.model, engine.optimizer, engine.scheduler)
+        engine, offload = self._main_engine()
+        with offload.resident():
+            return load_checkpoint(path, engine.model, engine.optimizer, engine.scheduler)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> list[str] | None:
         """Write the actor as an HF directory (rank 0 writes; returns the file names there)."""
         from megatron_workers.hf_io import export_mcore_to_hf, read_hf_config
 
-        engine = self.actor or self.ref
+        engine, offload = self._main_engine()
         path = self.config.model.path
-        return export_mcore_to_hf(engine.model, read_hf_config(path), out_dir, tokenizer_dir=path)
+        with offload.resident():
+            return export_mcore_to_hf(engine.model, read_hf_config(path), out_dir, tokenizer_dir=path)
+
+    def _main_engine(self):
+        """The actor (with its offloader) if this worker has one, else the ref model."""
+        return (self.actor, self.actor_offload) if self.actor is not None else (self.ref, self.ref_offload)

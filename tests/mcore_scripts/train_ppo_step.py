@@ -26,7 +26,7 @@ def main() -> None:
     from hybridflow.protocol import DataProto
     from megatron_workers.actor_rollout_ref import ActorRolloutRefWorker
 
-    worker = ActorRolloutRefWorker(actor_config(args.model, args.tp, args.pp, args.sp), role="actor_rollout_ref")
+    worker = ActorRolloutRefWorker(actor_config(args.model, args.tp, args.pp, args.sp), role="actor_ref")
     worker.init_model()
     coords = worker.get_mesh_coords("actor")
     vocab = json.load(open(f"{args.model}/config.json"))["vocab_size"]
