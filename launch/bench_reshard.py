@@ -18,6 +18,8 @@ to warm up gloo and once timed, and prints one JSON line per layout:
                               splits the real vocab padded to 64, so those shards do not nest
   naive_bytes_per_rank        measured bytes received by the busiest rank (naive all-gather)
   engine_peak_extra_bytes     new generation shards + staging buffers of the largest bucket
+  engine_aliased_bytes_per_rank  generation shards that ARE the training tensors (zero copy)
+  engine_sent_bytes_min_max   how evenly the senders are loaded
   engine_s / naive_s          wall time of the slowest rank
   ratio_measured_over_optimal, naive_over_engine_time
 """
@@ -138,7 +140,8 @@ def bench_layout(rank, world, layout, synthetic, bucket_bytes):
     naive_s = timed(lambda: drain(naive.iter_shards(shards)))
 
     mine = torch.tensor([engine.stats.bytes_recv, naive.stats.bytes_recv, engine.stats.peak_extra_bytes,
-                         plan.expected_recv_bytes(rank), engine.stats.bytes_aliased], dtype=torch.float64)
+                         plan.expected_recv_bytes(rank), engine.stats.bytes_aliased, engine.stats.bytes_sent],
+                        dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
     table = torch.stack(everyone)
@@ -156,6 +159,7 @@ def bench_layout(rank, world, layout, synthetic, bucket_bytes):
         "naive_bytes_per_rank": int(table[:, 1].max()),
         "engine_peak_extra_bytes": int(table[:, 2].max()),
         "engine_aliased_bytes_per_rank": int(table[:, 4].max()),
+        "engine_sent_bytes_min_max": [int(table[:, 5].min()), int(table[:, 5].max())],
         "engine_s": round(engine_s, 4),
         "naive_s": round(naive_s, 4),
         "ratio_measured_over_optimal": round(engine_max / optimal, 4) if optimal else None,
