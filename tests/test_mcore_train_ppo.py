@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mcore_scripts"))
-from train_common import make_rl_batch, ppo_inputs, run_torchrun  # noqa: E402
+from train_common import hf_ppo_update, hf_state, run_torchrun  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,39 +34,6 @@ def runs(tiny, tmp_path_factory):
     run_torchrun("train_ppo_step.py", 1, ["--model", str(tiny), "--out", str(single)])
     run_torchrun("train_ppo_step.py", 2, ["--model", str(tiny), "--out", str(dp2)])
     return torch.load(single), torch.load(dp2)
-
-
-def hf_ppo_update(model_dir, result: dict, lr=1e-3, clip=1.0, wd=0.01, entropy_coeff=0.01, kl_coef=0.1):
-    """The same update in plain PyTorch: HF forward, full-vocab log-softmax, AdamW (no decay on 1-D params)."""
-    from transformers import AutoModelForCausalLM
-
-    from hybridflow.algorithms import agg_loss, compute_policy_loss, kl_penalty
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    batch = make_rl_batch(model.config.vocab_size)
-    r = batch["responses"].shape[1]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"]).logits[:, :-1]
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    log_prob = logp.gather(-1, batch["input_ids"][:, 1:, None])[..., 0][:, -r:]
-    entropy = -(logp.exp() * logp).sum(-1)[:, -r:]
-    data = ppo_inputs(batch, result["old_log_probs"], result["ref_log_prob"])
-    mask = batch["response_mask"]
-    pg = compute_policy_loss(data["old_log_probs"], log_prob, data["advantages"], mask, 0.2, 0.2, 3.0, "token-mean")
-    kl = agg_loss(kl_penalty(log_prob, data["ref_log_prob"], "low_var_kl"), mask, "token-mean")
-    loss = pg["pg_loss"] - entropy_coeff * agg_loss(entropy, mask, "token-mean") + kl_coef * kl
-    loss.backward()
-    params = list(model.parameters())
-    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)).item()
-    scale = clip / (grad_norm + 1e-6)  # megatron's clip_grad_by_total_norm_fp32
-    if scale < 1:
-        for p in params:
-            p.grad.mul_(scale)
-    groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": wd},
-              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
-    torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8).step()
-    return {"log_prob": log_prob.detach(), "entropy": entropy.detach(), "mask": mask, "grad_norm": grad_norm,
-            "pg_loss": pg["pg_loss"].item(), "params": {k: v.detach() for k, v in model.state_dict().items()}}
 
 
 def _max_param_diff(a: dict, b: dict) -> float:
@@ -100,8 +67,6 @@ def test_single_process_update_matches_hf_and_adamw(runs, tiny):
     assert single["metrics"]["actor/pg_loss"] == pytest.approx(ref["pg_loss"], rel=1e-5)
     assert single["metrics"]["actor/pg_clipfrac"] > 0  # the perturbed old log-probs make the clip act
     # the update moved the weights by ~lr, and the same way as AdamW on HF
-    from train_common import hf_state
-
     before = hf_state(tiny)
     assert _max_param_diff(before, single["params"]) > 5e-4
     assert _max_param_diff(ref["params"], single["params"]) < 1e-5

@@ -91,3 +91,36 @@ def hf_state(hf_dir) -> dict[str, torch.Tensor]:
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
+
+
+def hf_ppo_update(model_dir, result: dict, lr=1e-3, clip=1.0, wd=0.01, entropy_coeff=0.01, kl_coef=0.1):
+    """The same update in plain PyTorch: HF forward, full-vocab log-softmax, AdamW (no decay on 1-D params)."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.algorithms import agg_loss, compute_policy_loss, kl_penalty
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = make_rl_batch(model.config.vocab_size)
+    r = batch["responses"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, :-1]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    log_prob = logp.gather(-1, batch["input_ids"][:, 1:, None])[..., 0][:, -r:]
+    entropy = -(logp.exp() * logp).sum(-1)[:, -r:]
+    data = ppo_inputs(batch, result["old_log_probs"], result["ref_log_prob"])
+    mask = batch["response_mask"]
+    pg = compute_policy_loss(data["old_log_probs"], log_prob, data["advantages"], mask, 0.2, 0.2, 3.0, "token-mean")
+    kl = agg_loss(kl_penalty(log_prob, data["ref_log_prob"], "low_var_kl"), mask, "token-mean")
+    loss = pg["pg_loss"] - entropy_coeff * agg_loss(entropy, mask, "token-mean") + kl_coef * kl
+    loss.backward()
+    params = list(model.parameters())
+    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)).item()
+    scale = clip / (grad_norm + 1e-6)  # megatron's clip_grad_by_total_norm_fp32
+    if scale < 1:
+        for p in params:
+            p.grad.mul_(scale)
+    groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": wd},
+              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8).step()
+    return {"log_prob": log_prob.detach(), "entropy": entropy.detach(), "mask": mask, "grad_norm": grad_norm,
+            "pg_loss": pg["pg_loss"].item(), "params": {k: v.detach() for k, v in model.state_dict().items()}}
