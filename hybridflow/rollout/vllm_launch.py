@@ -10,9 +10,12 @@ because it is pure process plumbing and testable without vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -118,3 +121,58 @@ def prepare_cpu_threads(info: LaunchInfo, threads: int | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _format_cpu_list(mine))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return max(1, n)
+
+
+def job_token() -> str:
+    """A short id shared by all ranks of this job and different for concurrent jobs on a node.
+
+    With a process group: rank 0 draws one and broadcasts it (every rank must call this, as
+    every rank builds its engine). Without one (vLLM will create it from the env): the
+    rendezvous address, which no two live jobs share.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        box = [uuid.uuid4().hex[:10] if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return f"{os.environ.get('MASTER_ADDR', 'local')}_{os.environ.get('MASTER_PORT', '0')}".replace("/", "_")
+
+
+@contextlib.contextmanager
+def cpu_shm_communicator(token: str | None) -> Iterator[None]:
+    """Scopes how vLLM's CPU shared-memory TP communicator names its /dev/shm segments.
+
+    vLLM 0.32 names them from VLLM_DIST_IDENT, which external_launcher always derives from
+    "env://", so every job on a node uses the same names ("tp:0-[0-1]-cpushm_<rank>"): two jobs
+    at once attach to each other's segments (we saw a hang), and a crashed job's leftovers make
+    the next start fail with EEXIST. With a token, names are unique per job; with None, the shm
+    communicator is off and TP collectives use the gloo group instead. Only the communicator's
+    construction reads the name, so patching during engine creation is enough.
+    """
+    try:
+        from vllm.distributed.device_communicators import cpu_communicator as cc
+    except ImportError:  # a vLLM without the CPU communicator: nothing to name
+        yield
+        return
+    shm_cls, comm_cls = getattr(cc, "_CPUSHMDistributed", None), getattr(cc, "CpuCommunicator", None)
+    check = "_all_group_ranks_share_shm_group_name"
+    if shm_cls is None or not hasattr(shm_cls, "make_group_name") or not hasattr(comm_cls, check):
+        logger.warning("vLLM's CPU shm communicator changed shape; leaving its segment names alone")
+        yield
+        return
+    original_name, original_check = shm_cls.__dict__["make_group_name"], comm_cls.__dict__[check]
+
+    def unique_name(communicator) -> str:
+        ranks = "-".join(str(r) for r in communicator.ranks)
+        return f"hybridflow-{token}-{communicator.unique_name}-[{ranks}]-cpushm".replace("/", "_")
+
+    if token is None:
+        setattr(comm_cls, check, lambda self: False)
+    else:
+        shm_cls.make_group_name = staticmethod(unique_name)
+    try:
+        yield
+    finally:
+        shm_cls.make_group_name = original_name
+        setattr(comm_cls, check, original_check)

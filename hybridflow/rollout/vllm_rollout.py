@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,7 +29,7 @@ from hybridflow.config.schema import RolloutConfig
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingSettings, prompt_token_lists
 from hybridflow.rollout.output import assemble_rollout_output
-from hybridflow.rollout.vllm_launch import prepare_cpu_threads, prepare_distributed_env
+from hybridflow.rollout.vllm_launch import cpu_shm_communicator, job_token, prepare_cpu_threads, prepare_distributed_env
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class VLLMRollout(Rollout):
             resharding engine's direct copy into vLLM's sharded GPU parameters).
         logprobs_mode: what `rollout_log_probs` holds; "processed_logprobs" is the sampler's
             distribution after temperature/top-k/top-p (see SamplingSettings).
+        cpu_shm_allreduce: on CPU, vLLM's shared-memory TP communicator with per-job segment
+            names (see vllm_launch.cpu_shm_communicator); False: plain gloo collectives.
         engine_kwargs: extra `vllm.LLM` arguments, applied last.
     """
 
@@ -66,7 +69,7 @@ class VLLMRollout(Rollout):
                  max_model_len: int | None = None, threads: int | None = None,
                  group_order: contextlib.AbstractContextManager | Callable[[], Any] | None = None,
                  weight_loader: WeightLoader | None = None, logprobs_mode: str = "processed_logprobs",
-                 enable_prefix_caching: bool = True, sleep_level: int = 1,
+                 enable_prefix_caching: bool = True, sleep_level: int = 1, cpu_shm_allreduce: bool = True,
                  engine_kwargs: dict | None = None):
         self.config = config
         self.model_path = str(model_path)
@@ -116,13 +119,16 @@ class VLLMRollout(Rollout):
         kwargs.update(engine_kwargs or {})
 
         ctx = group_order() if callable(group_order) else group_order
+        # A collective on the world group when it exists: every rank builds its engine here.
+        shm = cpu_shm_communicator(job_token() if cpu_shm_allreduce else None) if not on_gpu else None
         start = time.perf_counter()
         try:
-            with ctx if ctx is not None else contextlib.nullcontext():
+            with ctx or contextlib.nullcontext(), shm or contextlib.nullcontext():
                 self.llm = vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = original_set_num_threads
         self.engine_start_s = time.perf_counter() - start
+        _make_teardown_keep_process_groups(self.llm)
 
         from vllm.distributed import parallel_state
 
@@ -243,14 +249,47 @@ class VLLMRollout(Rollout):
     def shutdown(self) -> None:
         """Stops the engine and drops vLLM's model-parallel groups (TP/DP/PP), so another engine,
         possibly with another t_g, can start in this process. vLLM's world group and the
-        torch.distributed default group stay: the next engine reuses them."""
-        from vllm.distributed import parallel_state
-
+        torch.distributed default group stay: the trainer keeps using them, the next engine reuses them."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            llm.llm_engine.engine_core._finalizer()  # the group-keeping teardown installed at start
             del llm
-        parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def _keep_process_groups():
+    """vLLM's EngineCore.shutdown ends with cleanup_dist_env_and_memory(), which destroys the
+    torch.distributed default group: in a colocated worker that is the trainer's group, and the
+    other ranks then hang in their next collective. During our teardown it drops only vLLM's
+    model-parallel groups."""
+    import vllm.v1.engine.core as core_module
+    from vllm.distributed import parallel_state
+
+    original = core_module.cleanup_dist_env_and_memory
+    core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: parallel_state.destroy_model_parallel()
+    try:
+        yield
+    finally:
+        core_module.cleanup_dist_env_and_memory = original
+
+
+def _shutdown_core_keeping_groups(engine_core) -> None:
+    with _keep_process_groups():
+        engine_core.shutdown()
+
+
+def _make_teardown_keep_process_groups(llm) -> None:
+    """The in-process client shuts its EngineCore down when it is garbage-collected or at exit
+    (a weakref.finalize); swap that for the group-keeping teardown, so that dropping the engine
+    can never take the trainer's process group with it."""
+    client = llm.llm_engine.engine_core
+    finalizer = getattr(client, "_finalizer", None)
+    core = getattr(client, "engine_core", None)
+    if finalizer is None or core is None:
+        raise RuntimeError("vLLM's in-process engine client changed shape (no _finalizer/engine_core); "
+                           "re-check how it tears down before running colocated")
+    finalizer.detach()
+    client._finalizer = weakref.finalize(client, _shutdown_core_keeping_groups, core)
 
 
 def _sampled_log_probs(tokens: list[int], logprobs, request_id) -> list[float]:

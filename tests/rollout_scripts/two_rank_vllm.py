@@ -1,0 +1,84 @@
+"""Two ranks, one in-process vLLM engine each (external_launcher), as a colocated worker runs it.
+
+Run under torchrun with 2 processes:
+    python -m torch.distributed.run --nproc-per-node 2 two_rank_vllm.py MODEL_DIR NEW_WEIGHTS_DIR OUT_DIR
+
+The process group is created here first (gloo), the way the Megatron worker does before it
+builds the rollout. Then, in the same processes:
+  1. t_g=2 (one replica over both ranks): greedy; sampling with n=2; greedy after load_weights.
+  2. shutdown, then t_g=1 (two replicas, vLLM data_parallel_size=2): each rank generates its own
+     slice of the batch (uneven: 5 and 4 rows), all_gather_replicas gives both the full output;
+     then a one-prompt batch, so replica 1 has nothing to do but must still take part.
+Each rank saves what it saw to OUT_DIR/rank{r}.pt; the test compares with HF.
+"""
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from reference import make_prompts
+from safetensors.torch import load_file
+
+from hybridflow.config.schema import RolloutConfig
+from hybridflow.models.tiny import build_tokenizer
+from hybridflow.rollout.replicas import all_gather_replicas, slice_for_replica
+from hybridflow.rollout.vllm_rollout import VLLMRollout
+
+R = 16
+
+
+def generate_all(rollout: VLLMRollout, batch):
+    """This replica's slice, then everyone gets the full output."""
+    mine = slice_for_replica(batch, rollout.replica_rank, rollout.num_replicas)
+    out = rollout.generate_sequences(mine)
+    return all_gather_replicas(out, rollout.replica_rank, rollout.num_replicas, rollout.is_replica_leader), len(mine)
+
+
+def main(model_dir: str, new_dir: str, out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tok = build_tokenizer()
+    greedy = make_prompts(tok, meta_info={"do_sample": False})
+    saved = {}
+
+    cfg = RolloutConfig(tensor_model_parallel_size=2, response_length=R, ignore_eos=True, seed=7,
+                        kv_cache_memory_bytes=64 * 1024 * 1024)
+    t0 = time.perf_counter()
+    rollout = VLLMRollout(model_dir, cfg)
+    saved["tp2_layout"] = (rollout.num_replicas, rollout.replica_rank, rollout.tp_rank)
+    saved["tp2_engine_s"] = rollout.engine_start_s
+    out, _ = generate_all(rollout, greedy)
+    saved["tp2_greedy"] = out.batch["responses"]
+    saved["tp2_greedy_logp"] = out.batch["rollout_log_probs"]
+    t1 = time.perf_counter()
+    out, _ = generate_all(rollout, greedy)
+    saved["tp2_second_generate_s"] = time.perf_counter() - t1
+    sampled, _ = generate_all(rollout, make_prompts(tok, meta_info={"n": 2, "temperature": 0.9}))
+    saved["tp2_sampled"] = sampled.batch["responses"]
+    rollout.load_weights(load_file(f"{new_dir}/model.safetensors").items())
+    saved["tp2_load_s"] = rollout.last_weight_load_s
+    out, _ = generate_all(rollout, greedy)
+    saved["tp2_new_weights_greedy"] = out.batch["responses"]
+    rollout.shutdown()
+
+    cfg = RolloutConfig(tensor_model_parallel_size=1, response_length=R, ignore_eos=True, seed=7,
+                        kv_cache_memory_bytes=64 * 1024 * 1024)
+    rollout = VLLMRollout(model_dir, cfg)
+    saved["dp2_layout"] = (rollout.num_replicas, rollout.replica_rank, rollout.tp_rank)
+    out, rows = generate_all(rollout, greedy)
+    saved["dp2_greedy"] = out.batch["responses"]
+    saved["dp2_uids"] = list(out.non_tensor_batch["uid"])
+    saved["dp2_rows"] = rows
+    out, rows = generate_all(rollout, greedy[:1])
+    saved["dp2_one_prompt"] = out.batch["responses"]
+    saved["dp2_one_prompt_rows"] = rows
+    saved["total_s"] = time.perf_counter() - t0
+    rollout.shutdown()
+    torch.save(saved, f"{out_dir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
