@@ -1,4 +1,4 @@
-"""dist_checkpointing save at TP2xPP2 (distributed optimizer) and resume at TP2xPP2 and at TP1xPP2.
+"""dist_checkpointing save at TP2xPP2 (+SP, distributed optimizer) and resume at TP2xPP2 and at TP1xPP2.
 
 - Loaded weights equal the saved ones bit for bit, at either layout.
 - Resuming at the same layout continues bit-exactly: the next update's metrics and parameters
@@ -30,8 +30,8 @@ def runs(tmp_path_factory):
     model = save_tiny_model(root / "llama", preset="tiny", arch="llama")
     ckpt, saved, resumed = root / "ckpt", root / "save.pt", root / "resume.pt"
     common = ["--model", str(model), "--ckpt", str(ckpt)]
-    run_torchrun("train_ckpt.py", 4, [*common, "--out", str(saved), "--phase", "save", "--tp", "2", "--pp", "2"],
-                 timeout=240)
+    save = [*common, "--out", str(saved), "--phase", "save", "--tp", "2", "--pp", "2", "--sp"]
+    run_torchrun("train_ckpt.py", 4, save, timeout=240)
     run_torchrun("train_ckpt.py", 2, [*common, "--out", str(resumed), "--phase", "resume", "--tp", "1", "--pp", "2"])
     return torch.load(saved), torch.load(resumed), ckpt
 

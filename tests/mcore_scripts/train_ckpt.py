@@ -50,11 +50,12 @@ def main() -> None:
     ap.add_argument("--phase", choices=("save", "resume"), required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true")
     args = ap.parse_args()
 
     from megatron_workers.actor_rollout_ref import ActorRolloutRefWorker
 
-    config = actor_config(args.model, args.tp, args.pp, lr=2e-3, **SCHEDULE)
+    config = actor_config(args.model, args.tp, args.pp, args.sp, lr=2e-3, **SCHEDULE)
     worker = ActorRolloutRefWorker(config, role="actor")
     worker.init_model()
     vocab = json.load(open(f"{args.model}/config.json"))["vocab_size"]
