@@ -9,9 +9,9 @@ responses and response_mask (B, R). Log-probs, entropies and losses are over
 the response tokens only, (B, R). Log-probs are computed vocab-parallel from
 the TP-sharded logits (logprob.py), never from a gathered vocabulary.
 
-Rollout: the generation engine (vLLM) and the weight resharding live in the
-same process and are attached by the rollout work through `attach_rollout`;
-this class only keeps `self.rollout` and calls the hook after the model is built.
+Rollout: the generation engine (vLLM) and the 3D-HybridEngine resharding live in
+the same process (megatron_workers/rollout_role.py); `attach_rollout` runs after
+the actor is built, and `generate_sequences` reshards the live weights first.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
 from megatron_workers.engine import agg_count, as_config, build_role_engine, init_megatron, mesh_coords
 from megatron_workers.offload import Offloader, make_offloader
+from megatron_workers.rollout_role import RolloutRole
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def response_logprobs(logits: torch.Tensor, micro: dict, response_length: int, r
     return logprob, entropy
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(RolloutRole, Worker):
     def __init__(self, config, role: str):
         super().__init__()
         if role not in ROLES:
@@ -101,13 +102,6 @@ class ActorRolloutRefWorker(Worker):
             if offloader is not None:
                 offloader.offload()
 
-    def attach_rollout(self) -> None:
-        """Hook for the rollout work: build the generation engine and the resharding to it here.
-
-        Called at the end of init_model for the rollout roles, after the actor exists.
-        """
-        logger.info("rollout role %r: no rollout engine attached yet", self.role)
-
     # ------------------------------------------------------------------ log-probs
 
     def _logprobs(self, engine, data: DataProto, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +138,7 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ training
 
-    def _policy_loss_fn(self, response_length: int, temperature: float):
+    def _policy_loss_fn(self, response_length: int, temperature: float, on_policy: bool = False):
         from hybridflow.algorithms import agg_loss, compute_policy_loss, kl_penalty
 
         cfg = self.config.actor
@@ -156,7 +150,10 @@ class ActorRolloutRefWorker(Worker):
             log_prob, entropy = response_logprobs(logits, micro, response_length, vocab, temperature)
             mask = micro["response_mask"].to(log_prob.device)
             get = lambda k: micro[k].to(log_prob.device)
-            pg = compute_policy_loss(get("old_log_probs"), log_prob, get("advantages"), mask, clip_ratio_low=low,
+            # On-policy single update: the ratio is taken against this very forward (detached), so the
+            # driver skipped the separate old-log-prob pass.
+            old = log_prob.detach() if on_policy else get("old_log_probs")
+            pg = compute_policy_loss(old, log_prob, get("advantages"), mask, clip_ratio_low=low,
                                      clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c,
                                      loss_agg_mode=cfg.loss_agg_mode)
             entropy_agg = agg_loss(entropy, mask, cfg.loss_agg_mode)
@@ -191,7 +188,8 @@ class ActorRolloutRefWorker(Worker):
         mini_batch = rows // dp_size
         response_length = data.batch["responses"].shape[1]
         temperature = float(data.meta_info.get("temperature", self.config.rollout.temperature))
-        loss_fn = self._policy_loss_fn(response_length, temperature)
+        on_policy = bool(data.meta_info.get("old_log_prob_from_update", False))
+        loss_fn = self._policy_loss_fn(response_length, temperature, on_policy)
         count_fn = lambda micro: agg_count(micro, cfg.loss_agg_mode)
         selected = data.select(batch_keys=keys)
         seed = int(data.meta_info.get("global_step", 0)) + self.config.actor.megatron.seed

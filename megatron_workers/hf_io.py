@@ -195,6 +195,11 @@ def _stage_hf_tensors(chunks, hf_config, keep: bool) -> list[tuple[str, torch.Te
     return out
 
 
+def gather_hf_state(chunks, hf_config) -> list[tuple[str, torch.Tensor]]:
+    """Full HF-named tensors of this pipeline stage on every TP rank (the HF-rollout reference path)."""
+    return _stage_hf_tensors(chunks if isinstance(chunks, list | tuple) else [chunks], hf_config, keep=True)
+
+
 def _is_stage_leader() -> bool:
     from megatron.core import parallel_state
 

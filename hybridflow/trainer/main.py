@@ -82,7 +82,9 @@ def build_and_run(cfg: HybridFlowConfig) -> list[dict]:
     reward = RewardManager.from_config(cfg.custom_reward_function)
 
     r = cfg.trainer.ray
-    init_ray(r.address, r.num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
+    # Ray's CPUs are logical: workers pin their own threads, so a local cluster may hold more ranks than cores.
+    num_cpus = r.num_cpus or (None if r.address else max(16, os.cpu_count() or 1))
+    init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
     procs = [cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes
     env = {"TOKENIZERS_PARALLELISM": "false"}
     actor_pool = ResourcePool("actor_rollout_ref", procs, timeout_s=r.timeout_s)

@@ -138,6 +138,7 @@ class RayPPOTrainer:
             gen = self.arr.generate_sequences(batch)
         metrics.update(M.reduce_worker_metrics(gen.meta_info.pop("metrics", {})))
         batch = gen
+        batch.meta_info["rollout_n"] = self.cfg.actor_rollout_ref.rollout.n  # mini-batches count prompts
         with timer("reward", timings):
             scores, reward_metrics = self.compute_reward(batch)
             batch.batch["token_level_scores"] = scores
