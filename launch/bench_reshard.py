@@ -48,7 +48,8 @@ HF_CONFIG = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
     "initializer_range": 0.02,
 }
-DEFAULT_LAYOUTS = [(4, 1, 2, 2), (4, 2, 1, 2), (2, 2, 2, 1), (2, 1, 4, 4), (8, 1, 1, 2), (2, 4, 1, 1), (2, 2, 2, 4)]
+DEFAULT_LAYOUTS = [(4, 1, 2, 2), (4, 2, 1, 2), (2, 2, 2, 1), (2, 1, 4, 4), (8, 1, 1, 2), (2, 4, 1, 1), (2, 2, 2, 4),
+                   (4, 1, 2, 4)]  # the last: t_g == t, p == 1: every generation shard aliases its training shard
 
 
 def megatron_named_params(dims):

