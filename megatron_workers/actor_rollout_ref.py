@@ -160,6 +160,9 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
             loss = pg["pg_loss"] - cfg.entropy_coeff * entropy_agg
             metrics = {"pg_loss": pg["pg_loss"], "pg_clipfrac": pg["pg_clipfrac"], "ppo_kl": pg["ppo_kl"],
                        "pg_clipfrac_lower": pg["pg_clipfrac_lower"], "entropy": entropy_agg}
+            if on_policy:  # old_log_probs holds the rollout engine's log-probs: report the mismatch
+                diff = (log_prob.detach() - get("old_log_probs")).abs()
+                metrics["rollout_logprob_diff"] = (diff * mask).sum() / mask.sum().clamp(min=1)
             if cfg.use_kl_loss:
                 kl = agg_loss(kl_penalty(log_prob, get("ref_log_prob"), cfg.kl_loss_type), mask, cfg.loss_agg_mode)
                 loss = loss + cfg.kl_loss_coef * kl

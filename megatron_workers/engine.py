@@ -174,6 +174,7 @@ class MegatronEngine:
         n = _batch_size(batch)
         if n == 0:
             raise ValueError("forward_only got an empty batch")
+        micro_batch_size = min(micro_batch_size, n)
         batch = self._pack(batch)
         # Pipeline p2p needs equal shapes: pad the last micro-batch by repeating its last row.
         pad_rows = (-n) % micro_batch_size if self.pp_size > 1 else 0
@@ -205,6 +206,8 @@ class MegatronEngine:
         if self.optimizer is None:
             raise RuntimeError("train_step on an engine without an optimizer (a forward-only role?)")
         n = _batch_size(batch)
+        # A micro-batch larger than this rank's mini-batch share means "the whole share in one pass".
+        micro_batch_size = min(micro_batch_size, n) if n else micro_batch_size
         if n == 0 or n % micro_batch_size:
             raise ValueError(f"train_step: batch size {n} must be a positive multiple of micro_batch_size "
                              f"{micro_batch_size}")

@@ -29,7 +29,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
     # Ray's unix sockets must fit in 107 bytes, so keep the temp dir short and absolute.
     tmp = Path(os.environ.get("RAY_TMPDIR") or Path(run_dir).resolve() / "ray")
     if len(str(tmp)) > 60:
-        tmp = Path("/tmp") / f"hf_ray_{os.getuid()}"
+        import hashlib
+
+        tmp = Path("/tmp") / f"hf_ray_{hashlib.sha1(str(tmp).encode()).hexdigest()[:10]}"
     tmp.mkdir(parents=True, exist_ok=True)
     # A stale "current cluster" marker makes the next init try to join a dead cluster.
     stale = tmp / "ray_current_cluster"

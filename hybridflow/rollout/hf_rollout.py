@@ -49,6 +49,15 @@ class HFRollout(Rollout):
         self.vocab_size = cfg.vocab_size
         self.last_stats: dict[str, float] = {}
         self._calls = 0
+        # No tensor parallelism here: in a distributed world every rank is its own replica, so
+        # the trainer can slice and gather exactly as for vLLM (see replicas.py).
+        import torch.distributed as dist
+
+        on_world = dist.is_available() and dist.is_initialized()
+        self.replica_rank = dist.get_rank() if on_world else 0
+        self.num_replicas = dist.get_world_size() if on_world else 1
+        self.tp_rank = 0
+        self.is_replica_leader = True
 
     @property
     def device(self) -> torch.device:

@@ -17,7 +17,7 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     return {f"{prefix}/mean": v.mean().item(), f"{prefix}/max": v.max().item(), f"{prefix}/min": v.min().item()}
 
 
-def data_metrics(batch, use_critic: bool) -> dict[str, float]:
+def data_metrics(batch, use_critic: bool, rollout_vs_old: bool = True) -> dict[str, float]:
     b = batch.batch
     response_mask = b["response_mask"].bool()
     max_response = response_mask.shape[1]
@@ -37,7 +37,7 @@ def data_metrics(batch, use_critic: bool) -> dict[str, float]:
     out.update(_stats("response_length", response_len))
     out["response_length/clip_ratio"] = (response_len == max_response).float().mean().item()
     out.update(_stats("prompt_length", prompt_len))
-    if "rollout_log_probs" in b and "old_log_probs" in b:
+    if rollout_vs_old and "rollout_log_probs" in b and "old_log_probs" in b:
         # How far the rollout engine's sampling probabilities are from the trainer's (resharding, kernels, dtype).
         diff = (b["rollout_log_probs"] - b["old_log_probs"]).abs()[response_mask]
         if diff.numel():

@@ -10,6 +10,7 @@ computes rewards and advantages, and logs.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -79,9 +80,13 @@ class RayPPOTrainer:
         return len(self.sampler) * self.cfg.trainer.total_epochs
 
     def next_batch(self) -> DataProto:
+        """The next prompts; called after global_step is advanced, so the trace names the step they train."""
         from hybridflow.data.rl_dataset import collate
 
         idx = self.sampler.next_batch()
+        # The data trace lets a resumed run be checked against an uninterrupted one (same positions).
+        with open(self.run_dir / "data_trace.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.global_step, "indices": [int(i) for i in idx]}) + "\n")
         rows = [self.dataset[i] for i in idx]
         tensors, objects = collate(rows, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length)
         objects["uid"] = np.array([str(uuid.uuid4()) for _ in rows], dtype=object)
@@ -171,7 +176,9 @@ class RayPPOTrainer:
             metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
         step_time = time.perf_counter() - t_step
         n_prompt, n_resp = M.token_counts(batch)
-        metrics.update(M.data_metrics(batch, self.use_critic))
+        metrics.update(M.data_metrics(batch, self.use_critic, rollout_vs_old=not skip_old))
+        if skip_old and "actor/rollout_logprob_diff" in metrics:
+            metrics["rollout/logprob_diff_mean"] = metrics.pop("actor/rollout_logprob_diff")
         metrics.update(M.timing_metrics(timings, n_prompt, n_resp))
         # actor FLOPs: one forward per log-prob pass (old, ref) + 3 for the update (fwd + bwd)
         passes = 3 + (0 if skip_old else 1) + (1 if self.use_ref else 0)
