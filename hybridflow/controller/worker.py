@@ -100,6 +100,9 @@ class WorkerHost:
         worker = self._roles[role]
         return worker.get_mesh_coords(mesh), mesh in getattr(worker, "_mesh_coords", {})
 
+    def set_env(self, env: dict[str, str]) -> None:
+        os.environ.update({k: str(v) for k, v in env.items()})
+
     def ping(self) -> dict:
         import ray
 

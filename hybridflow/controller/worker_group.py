@@ -95,6 +95,22 @@ class RayWorkerGroup:
             for mname, spec in registered_methods(cls).items():
                 setattr(self, mname, _BoundMethod(self, name, mname, spec))
 
+    def refresh_rendezvous(self) -> tuple[str, int]:
+        """Pick MASTER_PORT again, right before the workers create their process group.
+
+        A port probed at construction can be taken by the time a colocated group (e.g. vLLM
+        in the actor processes) has started; call this just before `init_model`.
+        """
+        import ray
+
+        slot = self.pool.slots()[0]
+        addr, port = self._get(ray.remote(num_cpus=0)(probe_master).options(
+            scheduling_strategy=self._strategy(slot)).remote(), "probe_master")
+        self._wait("set_env", [h.set_env.remote({"MASTER_ADDR": addr, "MASTER_PORT": port}) for h in self._hosts],
+                   list(range(self.world_size)), None, raw=True)
+        self.master_addr, self.master_port = addr, port
+        return addr, port
+
     @staticmethod
     def _strategy(slot):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -98,8 +98,11 @@ def build_and_run(cfg: HybridFlowConfig) -> list[dict]:
             "critic", procs, timeout_s=r.timeout_s)
         critic = RayWorkerGroup(critic_pool, CriticWorker, (to_dict(cfg.critic),), role="critic", env=env,
                                 timeout_s=r.timeout_s)
+    # Each group rendezvous on a port picked just before its init (vLLM opens ports while it starts).
+    arr.refresh_rendezvous()
     arr.init_model()
     if critic is not None:
+        critic.refresh_rendezvous()
         critic.init_model()
     trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, arr, critic)
     trainer.n_params = _count_params(a.model.path)
