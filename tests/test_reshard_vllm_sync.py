@@ -64,6 +64,43 @@ def test_vllm_local_layout_matches_hf_heads_by_hand():
     assert full["lm_head.weight"].shape == (100, 8) and torch.equal(full["lm_head.weight"][64:], lm[64:])
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_hf_slices_invert_mcore_shards(tp):
+    """hf_mapping.hf_slices_from_mcore_shard puts every Megatron TP shard back where HF has it (qwen2: biases)."""
+    from megatron_workers import hf_mapping
+
+    cfg = {**CFG, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 4,
+           "intermediate_size": 8}
+    g = torch.Generator().manual_seed(tp)
+    shapes = {"model.embed_tokens.weight": (100, 8), "lm_head.weight": (100, 8), "model.norm.weight": (8,),
+              "model.layers.0.input_layernorm.weight": (8,), "model.layers.0.post_attention_layernorm.weight": (8,),
+              "model.layers.0.self_attn.q_proj.weight": (8, 8), "model.layers.0.self_attn.k_proj.weight": (8, 8),
+              "model.layers.0.self_attn.v_proj.weight": (8, 8), "model.layers.0.self_attn.q_proj.bias": (8,),
+              "model.layers.0.self_attn.k_proj.bias": (8,), "model.layers.0.self_attn.v_proj.bias": (8,),
+              "model.layers.0.self_attn.o_proj.weight": (8, 8), "model.layers.0.mlp.gate_proj.weight": (8, 8),
+              "model.layers.0.mlp.up_proj.weight": (8, 8), "model.layers.0.mlp.down_proj.weight": (8, 8)}
+    hf = {k: torch.randn(v, generator=g) for k, v in shapes.items()}
+    read = hf_mapping.dict_reader(hf)
+    covered = {k: torch.zeros(v, dtype=torch.bool) for k, v in shapes.items()}
+    for name in hf_mapping.mcore_param_names(cfg):
+        for r in range(tp):
+            shard = hf_mapping.mcore_shard_from_hf(name, read, cfg, r, tp)
+            rows = None
+            if hf_mapping.describe(name, cfg).kind == hf_mapping.VOCAB:  # Megatron's padded split, real rows only
+                per = shard.shape[0]
+                rows = (min(r * per, 100), min((r + 1) * per, 100))
+                shard = shard[: rows[1] - rows[0]]
+            for sl in hf_mapping.hf_slices_from_mcore_shard(name, shard, cfg, r, tp, rows):
+                assert tuple(sl.full_shape) == shapes[sl.hf_name]
+
+                def region(t, sl=sl):
+                    return t if sl.dim is None else t.narrow(sl.dim, sl.start, sl.stop - sl.start)
+
+                assert torch.equal(sl.tensor, region(hf[sl.hf_name])), (name, r, sl.hf_name)
+                region(covered[sl.hf_name]).fill_(True)
+    assert all(m.all() for m in covered.values())
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
