@@ -30,7 +30,8 @@ shm communicator) use the torch group rank. Both agree only when each group list
 ascending order. The plan's groups are ascending whenever t_g <= t or t == 1. For t_g > t with
 t > 1 no optimal placement has ascending groups (e.g. t=2, d=2, t_g=4: ranks 0..3 hold slices
 0,1,0,1 and must become generation ranks 0,2,1,3), so for those plans the patch also asks torch
-not to sort (`new_group(..., sort_ranks=False)`, torch >= 2.6), again only inside the window.
+not to sort (`new_group(..., sort_ranks=False)`, present in torch 2.13; checked at run time),
+again only inside the window.
 
 The patch is version-checked (vLLM 0.32.x, the legacy new_group path, no elastic EP) and
 scoped to a context manager that restores both functions on exit; `verify_vllm_groups` checks
