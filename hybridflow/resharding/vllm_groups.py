@@ -118,6 +118,10 @@ def planned_vllm_groups(plan: ReshardPlan) -> Iterator[None]:
         want = (plan.gen.tp, 1, 1, 1, plan.world_size)
         if got != want:
             raise VllmGroupError(f"vLLM asked for (tp, pp, pcp, dcp, world) = {got}; the resharding plan is {want}")
+        from vllm.config import get_current_vllm_config
+
+        if get_current_vllm_config().parallel_config.enable_elastic_ep:
+            raise VllmGroupError("elastic EP builds stateless groups from local ranks; planned groups do not apply")
         ps.init_model_parallel_group = remapped_group
         if keep_order:
             dist.new_group = unsorted_new_group
