@@ -53,6 +53,7 @@ class SimCluster:
         # concurrent clusters race on it. This cluster listens on loopback only, so it runs without auth;
         # drivers must use `self.env` too. A real multi-node cluster keeps token auth (see launch/README.md).
         self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+        self.env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # set by init_ray for local clusters: forbids nodes
 
     @property
     def address(self) -> str:

@@ -37,10 +37,12 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
     stale = tmp / "ray_current_cluster"
     if stale.exists():
         stale.unlink()
+    # Loopback only: Ray otherwise binds the first interface's address. This switch (Ray's own name for it)
+    # keeps a local cluster on 127.0.0.1 and refuses other nodes, which is what a local cluster is.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     kwargs = dict(
         num_cpus=num_cpus,
         include_dashboard=include_dashboard,
-        _node_ip_address="127.0.0.1",
         _temp_dir=str(tmp),
         runtime_env=runtime_env,
         object_store_memory=object_store_memory,
