@@ -187,3 +187,14 @@ def test_hf_rollout_empty_batch(tiny):
     out = HFRollout(model, RolloutConfig(response_length=5, n=2)).generate_sequences(prompts)
     assert len(out) == 0 and out.batch["responses"].shape == (0, 5)
     assert isinstance(out.non_tensor_batch["uid"], np.ndarray)
+
+
+def test_build_rollout_picks_engine(tiny):
+    from hybridflow.rollout.factory import build_rollout
+
+    path, _, _ = tiny
+    rollout = build_rollout(str(path), RolloutConfig(name="hf", response_length=4))
+    assert isinstance(rollout, HFRollout)
+    assert (rollout.replica_rank, rollout.num_replicas, rollout.is_replica_leader) == (0, 1, True)
+    with pytest.raises(ValueError, match="rollout.name='sglang'"):
+        build_rollout(str(path), RolloutConfig(name="sglang"))

@@ -41,8 +41,10 @@ def engine(request, tmp_path_factory):
 
     arch = request.param
     path = save_tiny_model(tmp_path_factory.mktemp(f"tiny_{arch}"), preset="tiny", arch=arch)
+    rng_before = torch.get_rng_state()
     rollout = VLLMRollout(str(path), RolloutConfig(response_length=R, n=1, seed=3,
                                                    kv_cache_memory_bytes=64 * 1024 * 1024))
+    rollout.rng_kept_at_start = torch.equal(torch.get_rng_state(), rng_before)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     yield rollout, hf, path
     rollout.shutdown()
@@ -58,6 +60,7 @@ def test_layout_of_a_single_rank(engine):
     assert (rollout.world_size, rollout.num_replicas, rollout.replica_rank, rollout.tp_rank) == (1, 1, 0, 0)
     assert rollout.is_replica_leader
     assert rollout.pad_token_id == build_tokenizer().pad_token_id
+    assert rollout.rng_kept_at_start, "building the engine changed the process's torch RNG state"
 
 
 def test_greedy_tokens_equal_hf_and_log_probs_match_teacher_forcing(engine, tok):
@@ -94,7 +97,11 @@ def test_output_format_equals_hf_rollout_with_stop_tokens(engine, tok):
 def test_sampling_n_and_log_probs_under_temperature(engine, tok):
     rollout, hf, _ = engine
     prompts = make_prompts(tok, texts=["hi", "what is 2+2?", "0123"], meta_info={"n": 4, "temperature": 0.8})
+    rng_before = torch.get_rng_state()
     out = rollout.generate_sequences(prompts)
+    assert torch.equal(torch.get_rng_state(), rng_before), "generate_sequences changed the caller's RNG state"
+    # The next call draws from a new per-call seed, not a replay of this one.
+    assert not torch.equal(rollout.generate_sequences(prompts).batch["responses"], out.batch["responses"])
     assert len(out) == 12 and out.batch["responses"].shape == (12, R)
     assert list(out.non_tensor_batch["uid"]) == [u for u in ("u0", "u1", "u2") for _ in range(4)]
     assert len({tuple(r) for r in out.batch["responses"][:4].tolist()}) > 1  # four different draws

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -123,7 +124,9 @@ class VLLMRollout(Rollout):
         shm = cpu_shm_communicator(job_token() if cpu_shm_allreduce else None) if not on_gpu else None
         start = time.perf_counter()
         try:
-            with ctx or contextlib.nullcontext(), shm or contextlib.nullcontext():
+            # vLLM seeds python/numpy/torch RNGs of the whole process at start; the colocated
+            # trainer's RNG streams must not be reset by building a rollout engine.
+            with ctx or contextlib.nullcontext(), shm or contextlib.nullcontext(), _preserved_rng(on_gpu):
                 self.llm = vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = original_set_num_threads
@@ -137,6 +140,7 @@ class VLLMRollout(Rollout):
         self.replica_rank = parallel_state.get_dp_group().rank_in_group if replicas > 1 else 0
         self.num_replicas = replicas
         self.pad_token_id = self._pad_token_id()
+        self._calls = 0
         logger.info("vLLM rollout on rank %d: t_g=%d, replica %d/%d, tp rank %d, engine start %.1f s",
                     self.rank, t_g, self.replica_rank, replicas, self.tp_rank, self.engine_start_s)
 
@@ -193,9 +197,17 @@ class VLLMRollout(Rollout):
             raise RuntimeError("VLLMRollout.generate_sequences after release(); call resume() first")
         s = self.sampling_for(prompts)
         token_lists = prompt_token_lists(prompts) if len(prompts) else []
+        # Sampling draws from the process-global torch generator. Seed it for this call from
+        # (seed, call, replica) and restore it afterwards: the TP ranks of a replica then draw the
+        # same tokens whatever the trainer did with its RNG in between (external_launcher needs
+        # identical scheduling on all of them), and the trainer's RNG is left as it was.
+        call_seed = hash(((s.seed or 0), self._calls, self.replica_rank)) % (2**63)
+        self._calls += 1
         start = time.perf_counter()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_lists],
-                                    self._sampling_params(s), use_tqdm=False)
+        with _preserved_rng(self.device_type == "cuda"):
+            torch.manual_seed(call_seed)
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_lists],
+                                        self._sampling_params(s), use_tqdm=False)
         elapsed = time.perf_counter() - start
         if len(outputs) != len(token_lists):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(token_lists)} prompts")
@@ -254,6 +266,21 @@ class VLLMRollout(Rollout):
         if llm is not None:
             llm.llm_engine.engine_core._finalizer()  # the group-keeping teardown installed at start
             del llm
+
+
+@contextlib.contextmanager
+def _preserved_rng(on_gpu: bool):
+    """Restores the python, numpy and torch (CPU and current CUDA device) RNG states on exit."""
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if on_gpu else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
 
 
 @contextlib.contextmanager

@@ -29,10 +29,12 @@ R = 16
 
 
 def generate_all(rollout: VLLMRollout, batch):
-    """This replica's slice, then everyone gets the full output."""
+    """This replica's slice, then everyone gets the full output (the replica leaders' outputs:
+    compare the local one, also returned, to check that TP ranks agree)."""
     mine = slice_for_replica(batch, rollout.replica_rank, rollout.num_replicas)
-    out = rollout.generate_sequences(mine)
-    return all_gather_replicas(out, rollout.replica_rank, rollout.num_replicas, rollout.is_replica_leader), len(mine)
+    local = rollout.generate_sequences(mine)
+    gathered = all_gather_replicas(local, rollout.replica_rank, rollout.num_replicas, rollout.is_replica_leader)
+    return gathered, local
 
 
 def main(model_dir: str, new_dir: str, out_dir: str) -> None:
@@ -48,14 +50,18 @@ def main(model_dir: str, new_dir: str, out_dir: str) -> None:
     rollout = VLLMRollout(model_dir, cfg)
     saved["tp2_layout"] = (rollout.num_replicas, rollout.replica_rank, rollout.tp_rank)
     saved["tp2_engine_s"] = rollout.engine_start_s
-    out, _ = generate_all(rollout, greedy)
+    out, local = generate_all(rollout, greedy)
     saved["tp2_greedy"] = out.batch["responses"]
-    saved["tp2_greedy_logp"] = out.batch["rollout_log_probs"]
+    saved["tp2_greedy_local"] = local.batch["responses"]
+    saved["tp2_greedy_logp_local"] = local.batch["rollout_log_probs"]
     t1 = time.perf_counter()
     out, _ = generate_all(rollout, greedy)
     saved["tp2_second_generate_s"] = time.perf_counter() - t1
-    sampled, _ = generate_all(rollout, make_prompts(tok, meta_info={"n": 2, "temperature": 0.9}))
-    saved["tp2_sampled"] = sampled.batch["responses"]
+    # Different global RNG states per rank (as a trainer's dropout might leave them): the TP ranks
+    # must still draw the same tokens, since the rollout seeds each call itself.
+    torch.manual_seed(100 + rank)
+    _, sampled = generate_all(rollout, make_prompts(tok, meta_info={"n": 2, "temperature": 0.9}))
+    saved["tp2_sampled_local"] = sampled.batch["responses"]
     rollout.load_weights(load_file(f"{new_dir}/model.safetensors").items())
     saved["tp2_load_s"] = rollout.last_weight_load_s
     out, _ = generate_all(rollout, greedy)
@@ -66,13 +72,13 @@ def main(model_dir: str, new_dir: str, out_dir: str) -> None:
                         kv_cache_memory_bytes=64 * 1024 * 1024)
     rollout = VLLMRollout(model_dir, cfg)
     saved["dp2_layout"] = (rollout.num_replicas, rollout.replica_rank, rollout.tp_rank)
-    out, rows = generate_all(rollout, greedy)
+    out, local = generate_all(rollout, greedy)
     saved["dp2_greedy"] = out.batch["responses"]
     saved["dp2_uids"] = list(out.non_tensor_batch["uid"])
-    saved["dp2_rows"] = rows
-    out, rows = generate_all(rollout, greedy[:1])
+    saved["dp2_rows"] = len(local)
+    out, local = generate_all(rollout, greedy[:1])
     saved["dp2_one_prompt"] = out.batch["responses"]
-    saved["dp2_one_prompt_rows"] = rows
+    saved["dp2_one_prompt_rows"] = len(local)
     saved["total_s"] = time.perf_counter() - t0
     rollout.shutdown()
     torch.save(saved, f"{out_dir}/rank{rank}.pt")
