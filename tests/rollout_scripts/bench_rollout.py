@@ -38,11 +38,11 @@ def main():
         hf.generate_sequences(prompts)
         print(f"HF   {args.preset}: {hf.last_stats['tokens_per_s']:.0f} tok/s ({args.prompts} x {args.tokens})")
 
-        t0 = time.perf_counter()
         from hybridflow.rollout.vllm_rollout import VLLMRollout
 
-        import_s = time.perf_counter() - t0
-        rollout = VLLMRollout(str(path), cfg)
+        t0 = time.perf_counter()
+        rollout = VLLMRollout(str(path), cfg)  # imports vLLM first (~13 s when the machine is idle)
+        construct_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         rollout.generate_sequences(prompts)
         first_s = time.perf_counter() - t1
@@ -53,7 +53,7 @@ def main():
         weights = load_file(f"{path}/model.safetensors")
         rollout.load_weights(weights.items())
         n_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        print(f"vLLM {args.preset}: import {import_s:.1f} s, engine start {rollout.engine_start_s:.1f} s, "
+        print(f"vLLM {args.preset}: constructor {construct_s:.1f} s (engine start {rollout.engine_start_s:.1f} s), "
               f"first generate {first_s:.1f} s, steady {max(rates):.0f} tok/s, "
               f"load_weights {rollout.last_weight_load_s * 1000:.0f} ms for {n_bytes / 2**20:.1f} MiB "
               f"(threads {rollout.threads}, torch {torch.get_num_threads()})")
