@@ -198,3 +198,15 @@ def test_build_rollout_picks_engine(tiny):
     assert (rollout.replica_rank, rollout.num_replicas, rollout.is_replica_leader) == (0, 1, True)
     with pytest.raises(ValueError, match="rollout.name='sglang'"):
         build_rollout(str(path), RolloutConfig(name="sglang"))
+
+
+def test_remove_own_shm_segments_only_touches_this_rank_and_job(tmp_path, monkeypatch):
+    from hybridflow.rollout import vllm_launch
+
+    monkeypatch.setattr(vllm_launch, "SHM_DIR", str(tmp_path))
+    names = ["hybridflow-abc-tp:0-[0-1]-cpushm_0", "hybridflow-abc-tp:0-[0-1]-cpushm_1",
+             "hybridflow-xyz-tp:0-[0-1]-cpushm_0", "other_0"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"")
+    assert vllm_launch.remove_own_shm_segments("abc", 0) == [names[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

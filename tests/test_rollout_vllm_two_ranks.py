@@ -64,6 +64,9 @@ def test_two_ranks_tp2_and_two_replicas_equal_hf(tmp_path):
         assert saved["dp2_greedy"].tolist() == want, f"rank {r}, t_g=1 x 2 replicas (gathered)"
         assert saved["dp2_one_prompt"].tolist() == want[:1], f"rank {r}, one prompt on two replicas"
         assert saved["dp2_uids"] == [f"u{i}" for i in range(len(prompts))]
+    for saved in ranks:
+        assert saved["world_sum_after_shutdown"] == 3.0  # 1 + 2: the default group still works
+        assert saved["tp2_shm_left"] == []  # shm segments of the t_g=2 engine were removed
     # Each TP rank's own output (before gathering) is the same: the script gives the two ranks
     # different global RNG states before sampling, so this holds only because the rollout seeds
     # every call itself (without that, the ranks draw different tokens).

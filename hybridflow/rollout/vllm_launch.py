@@ -123,6 +123,31 @@ def prepare_cpu_threads(info: LaunchInfo, threads: int | None = None) -> int:
     return max(1, n)
 
 
+SHM_DIR = "/dev/shm"
+
+
+def _segment_prefix(token: str) -> str:
+    return f"hybridflow-{token}-"
+
+
+def remove_own_shm_segments(token: str, group_rank: int) -> list[str]:
+    """Unlinks this rank's shm segments of the job `token` (name ends in _<rank in the TP group>).
+
+    vLLM unlinks them when the engine is shut down explicitly, but not when a process exits with
+    the engine alive; unique names then leak 4 MiB per rank and job in /dev/shm. Peers that
+    still map a segment keep their mapping; only the name goes.
+    """
+    removed = []
+    if not os.path.isdir(SHM_DIR):
+        return removed
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(_segment_prefix(token)) and name.endswith(f"-cpushm_{group_rank}"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+    return removed
+
+
 def job_token() -> str:
     """A short id shared by all ranks of this job and different for concurrent jobs on a node.
 
@@ -165,7 +190,7 @@ def cpu_shm_communicator(token: str | None) -> Iterator[None]:
 
     def unique_name(communicator) -> str:
         ranks = "-".join(str(r) for r in communicator.ranks)
-        return f"hybridflow-{token}-{communicator.unique_name}-[{ranks}]-cpushm".replace("/", "_")
+        return f"{_segment_prefix(token)}{communicator.unique_name}-[{ranks}]-cpushm".replace("/", "_")
 
     if token is None:
         setattr(comm_cls, check, lambda self: False)

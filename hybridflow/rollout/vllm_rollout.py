@@ -30,7 +30,13 @@ from hybridflow.config.schema import RolloutConfig
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingSettings, prompt_token_lists
 from hybridflow.rollout.output import assemble_rollout_output
-from hybridflow.rollout.vllm_launch import cpu_shm_communicator, job_token, prepare_cpu_threads, prepare_distributed_env
+from hybridflow.rollout.vllm_launch import (
+    cpu_shm_communicator,
+    job_token,
+    prepare_cpu_threads,
+    prepare_distributed_env,
+    remove_own_shm_segments,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +127,8 @@ class VLLMRollout(Rollout):
 
         ctx = group_order() if callable(group_order) else group_order
         # A collective on the world group when it exists: every rank builds its engine here.
-        shm = cpu_shm_communicator(job_token() if cpu_shm_allreduce else None) if not on_gpu else None
+        shm_token = job_token() if cpu_shm_allreduce and not on_gpu else None
+        shm = cpu_shm_communicator(shm_token) if not on_gpu else None
         start = time.perf_counter()
         try:
             # vLLM seeds python/numpy/torch RNGs of the whole process at start; the colocated
@@ -131,12 +138,17 @@ class VLLMRollout(Rollout):
         finally:
             torch.set_num_threads = original_set_num_threads
         self.engine_start_s = time.perf_counter() - start
-        _make_teardown_keep_process_groups(self.llm)
 
+        import torch.distributed as dist
         from vllm.distributed import parallel_state
 
+        tp_group = parallel_state.get_tp_group()
+        self.shm_token = shm_token
+        shm_segments = (shm_token, dist.get_rank(tp_group.cpu_group)) if shm_token and t_g > 1 else None
+        _make_teardown_keep_process_groups(self.llm, shm_segments)
+
         # Read the layout back from vLLM rather than recomputing it: group_order may reorder it.
-        self.tp_rank = parallel_state.get_tp_group().rank_in_group
+        self.tp_rank = tp_group.rank_in_group
         self.replica_rank = parallel_state.get_dp_group().rank_in_group if replicas > 1 else 0
         self.num_replicas = replicas
         self.pad_token_id = self._pad_token_id()
@@ -300,15 +312,20 @@ def _keep_process_groups():
         core_module.cleanup_dist_env_and_memory = original
 
 
-def _shutdown_core_keeping_groups(engine_core) -> None:
-    with _keep_process_groups():
-        engine_core.shutdown()
+def _shutdown_core_keeping_groups(engine_core, shm_segments: tuple[str, int] | None) -> None:
+    try:
+        with _keep_process_groups():
+            engine_core.shutdown()
+    finally:
+        if shm_segments is not None:
+            remove_own_shm_segments(*shm_segments)
 
 
-def _make_teardown_keep_process_groups(llm) -> None:
+def _make_teardown_keep_process_groups(llm, shm_segments: tuple[str, int] | None) -> None:
     """The in-process client shuts its EngineCore down when it is garbage-collected or at exit
     (a weakref.finalize); swap that for the group-keeping teardown, so that dropping the engine
-    can never take the trainer's process group with it."""
+    can never take the trainer's process group with it. It also removes this rank's CPU shm
+    segment names (shm_segments = (job token, rank in the TP group))."""
     client = llm.llm_engine.engine_core
     finalizer = getattr(client, "_finalizer", None)
     core = getattr(client, "engine_core", None)
@@ -316,7 +333,7 @@ def _make_teardown_keep_process_groups(llm) -> None:
         raise RuntimeError("vLLM's in-process engine client changed shape (no _finalizer/engine_core); "
                            "re-check how it tears down before running colocated")
     finalizer.detach()
-    client._finalizer = weakref.finalize(client, _shutdown_core_keeping_groups, core)
+    client._finalizer = weakref.finalize(client, _shutdown_core_keeping_groups, core, shm_segments)
 
 
 def _sampled_log_probs(tokens: list[int], logprobs, request_id) -> list[float]:

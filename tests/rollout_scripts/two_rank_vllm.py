@@ -12,6 +12,7 @@ builds the rollout. Then, in the same processes:
 Each rank saves what it saw to OUT_DIR/rank{r}.pt; the test compares with HF.
 """
 
+import os
 import sys
 import time
 
@@ -66,7 +67,10 @@ def main(model_dir: str, new_dir: str, out_dir: str) -> None:
     saved["tp2_load_s"] = rollout.last_weight_load_s
     out, _ = generate_all(rollout, greedy)
     saved["tp2_new_weights_greedy"] = out.batch["responses"]
+    token = rollout.shm_token
     rollout.shutdown()
+    dist.barrier()  # each rank removes its own segment; look once both are done
+    saved["tp2_shm_left"] = [n for n in os.listdir("/dev/shm") if token and n.startswith(f"hybridflow-{token}-")]
 
     cfg = RolloutConfig(tensor_model_parallel_size=1, response_length=R, ignore_eos=True, seed=7,
                         kv_cache_memory_bytes=64 * 1024 * 1024)
@@ -81,6 +85,10 @@ def main(model_dir: str, new_dir: str, out_dir: str) -> None:
     saved["dp2_one_prompt_rows"] = len(local)
     saved["total_s"] = time.perf_counter() - t0
     rollout.shutdown()
+    # The trainer's default group survives both engines' teardown.
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    saved["world_sum_after_shutdown"] = total.item()
     torch.save(saved, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
