@@ -198,8 +198,7 @@ class RayPPOTrainer:
         if self.use_critic:
             self.critic.save_checkpoint(str(staging / "critic"), {"global_step": self.global_step})
         state = {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
-                 "kl_coef": float(self.kl_ctrl.value), "torch_rng": torch.get_rng_state().tolist(),
-                 "numpy_rng": None}
+                 "kl_coef": float(self.kl_ctrl.value), "torch_rng": torch.get_rng_state().tolist()}
         return self.ckpt.commit(self.global_step, staging, state)
 
     def maybe_resume(self) -> int:
@@ -220,8 +219,7 @@ class RayPPOTrainer:
         if self.use_critic:
             self.critic.load_checkpoint(str(path / "critic"))
         self.sampler.load_state_dict(state["sampler"])
-        if hasattr(self.kl_ctrl, "value"):
-            self.kl_ctrl.value = state["kl_coef"]
+        self.kl_ctrl.value = state["kl_coef"]
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         self.global_step = int(state["global_step"])
         log.info("resumed from %s at step %d", path, self.global_step)
