@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from ray_workers import EchoWorker, RefLikeWorker
@@ -112,6 +114,11 @@ def test_killed_worker_gives_clear_error(ray_cluster):
     group = RayWorkerGroup(pool, EchoWorker, role="victim", timeout_s=60)
     try:
         ray.kill(group.host(1), no_restart=True)
+        # ray.kill is asynchronous: wait until the actor is really gone, or a call could still reach it.
+        with pytest.raises(ray.exceptions.RayActorError):
+            for _ in range(120):
+                ray.get(group.host(1).ping.remote(), timeout=30)
+                time.sleep(0.5)
         with pytest.raises(WorkerDiedError, match="worker 'victim' rank 1 died"):
             group.whoami("x")
     finally:

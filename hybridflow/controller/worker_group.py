@@ -60,11 +60,7 @@ class RayWorkerGroup:
 
         slots = pool.slots()
         self.world_size = len(slots)
-        first = slots[0]
-        strategy = self._strategy(first)
-        addr, port = self._get(ray.remote(num_cpus=0)(probe_master).options(scheduling_strategy=strategy).remote(),
-                               "probe_master")
-        self.master_addr, self.master_port = addr, port
+        addr, port = self._probe_rendezvous()
 
         host_cls = ray.remote(WorkerHost)
         per_node = {}
@@ -76,8 +72,8 @@ class RayWorkerGroup:
                 "RANK": rank, "WORLD_SIZE": self.world_size, "LOCAL_RANK": slot.local_rank,
                 "LOCAL_WORLD_SIZE": per_node[slot.node_index], "MASTER_ADDR": addr, "MASTER_PORT": port,
                 "HYBRIDFLOW_ROLE": self.role,
-                # One BLAS/OMP thread per process unless told otherwise: on CPU, ranks share the cores.
-                "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1"),
+                # One BLAS/OMP thread per process unless `env` says otherwise: on CPU, ranks share the cores.
+                "OMP_NUM_THREADS": "1",
                 **(env or {}),
             }
             opts = dict(pool.actor_resources(), scheduling_strategy=self._strategy(slot), max_restarts=0,
@@ -101,15 +97,18 @@ class RayWorkerGroup:
         A port probed at construction can be taken by the time a colocated group (e.g. vLLM
         in the actor processes) has started; call this just before `init_model`.
         """
-        import ray
-
-        slot = self.pool.slots()[0]
-        addr, port = self._get(ray.remote(num_cpus=0)(probe_master).options(
-            scheduling_strategy=self._strategy(slot)).remote(), "probe_master")
+        addr, port = self._probe_rendezvous()
         self._wait("set_env", [h.set_env.remote({"MASTER_ADDR": addr, "MASTER_PORT": port}) for h in self._hosts],
                    list(range(self.world_size)), None, raw=True)
-        self.master_addr, self.master_port = addr, port
         return addr, port
+
+    def _probe_rendezvous(self) -> tuple[str, int]:
+        """Rank 0's node address and a free port there (probed on rank 0's bundle)."""
+        import ray
+
+        probe = ray.remote(num_cpus=0)(probe_master).options(scheduling_strategy=self._strategy(self.pool.slots()[0]))
+        self.master_addr, self.master_port = self._get(probe.remote(), "probe_master")
+        return self.master_addr, self.master_port
 
     @staticmethod
     def _strategy(slot):
