@@ -41,37 +41,6 @@ OPTIMIZER_METADATA = {
 }
 
 
-# dist_checkpointing modules that ask for CUDA on the save/load paths we use, with the failure:
-_DIST_CKPT_CUDA_MODULES = (
-    # filesystem_async.py preload_tensors: torch.cuda.synchronize() -> "Torch not compiled with CUDA enabled"
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",
-    # state_dict_saver.py: torch.tensor([...], device='cuda') for the cross-rank verify / failure flags
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    # async_utils.py: torch.cuda.synchronize() and is-alive flags on torch.cuda.current_device()
-    "megatron.core.dist_checkpointing.strategies.async_utils",
-)
-
-
-def _cpu_dist_ckpt_compat() -> None:
-    """Point dist_checkpointing's CUDA calls at the CPU, the way cpu_compat does for the training modules.
-
-    This belongs next to the other patches in cpu_compat (it reuses that module's torch view);
-    it lives here until it moves there. No-op with CUDA.
-    """
-    if torch.cuda.is_available():
-        return
-    import importlib
-
-    from megatron_workers import cpu_compat
-
-    cpu_compat.apply_cpu_compat()
-    view = cpu_compat._TORCH_VIEW or cpu_compat._CpuTorchView()
-    for name in _DIST_CKPT_CUDA_MODULES:
-        module = importlib.import_module(name)
-        if getattr(module, "torch", None) is torch:
-            module.torch = view
-
-
 def _torch_adam_step_compat() -> None:
     """Let the distributed optimizer load a `fully_reshardable` checkpoint into torch's Adam.
 
@@ -141,7 +110,9 @@ def save_checkpoint(path: str | os.PathLike, model: list, optimizer=None, schedu
     """Collective: every rank of the role calls it with the same path."""
     from megatron.core import dist_checkpointing
 
-    _cpu_dist_ckpt_compat()
+    from megatron_workers.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()  # dist_checkpointing's CUDA calls are in cpu_compat's list; no-op with CUDA
     path = Path(path)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -166,7 +137,9 @@ def load_checkpoint(path: str | os.PathLike, model: list, optimizer=None, schedu
     """
     from megatron.core import dist_checkpointing
 
-    _cpu_dist_ckpt_compat()
+    from megatron_workers.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()  # dist_checkpointing's CUDA calls are in cpu_compat's list; no-op with CUDA
     path = Path(path)
     if not (path / "metadata.json").exists():
         raise FileNotFoundError(f"{path} is not a dist_checkpointing checkpoint (no metadata.json)")
