@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hybridflow.models.tiny import PRESETS, build_tokenizer, main, save_tiny_model
+from hybridflow.models.tiny import PRESETS, build_tokenizer, main, save_tiny_model, save_tiny_reward_model
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +118,26 @@ def test_cli(tmp_path):
     main(["--out", str(tmp_path / "m"), "--arch", "qwen2", "--seed", "7", "--set", "num_hidden_layers=1"])
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["model_type"] == "qwen2" and cfg["num_hidden_layers"] == 1
+
+
+def test_reward_model_is_an_hf_sequence_classifier_with_the_policy_body(tmp_path, llama_dir):
+    from safetensors import safe_open
+    from transformers import AutoModelForSequenceClassification
+
+    rm_dir = save_tiny_reward_model(tmp_path / "rm", body_from=llama_dir, seed=5)
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, local_files_only=True)
+    assert type(rm).__name__ == "LlamaForSequenceClassification" and rm.config.num_labels == 1
+    assert rm.score.weight.shape == (1, 64) and rm.score.weight.abs().sum() > 0
+    policy = AutoModelForCausalLM.from_pretrained(llama_dir)
+    w = "layers.1.mlp.down_proj.weight"
+    assert torch.equal(rm.model.state_dict()[w], policy.model.state_dict()[w])  # body copied
+    with safe_open(str(rm_dir / "model.safetensors"), "pt") as f:  # the layout our Megatron loader reads
+        assert "score.weight" in f.keys() and f"model.{w}" in f.keys()
+    assert AutoTokenizer.from_pretrained(rm_dir).get_vocab() == AutoTokenizer.from_pretrained(llama_dir).get_vocab()
+    ids = torch.tensor([[1, 40, 41, 42]])
+    assert rm(input_ids=ids).logits.shape == (1, 1)
+    other = AutoModelForSequenceClassification.from_pretrained(save_tiny_reward_model(tmp_path / "b", seed=6))
+    assert not torch.equal(other.score.weight, rm.score.weight)  # the seed decides the head
+    main(["--out", str(tmp_path / "cli"), "--reward-model", "--body-from", str(llama_dir)])
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["architectures"] == [
+        "LlamaForSequenceClassification"]

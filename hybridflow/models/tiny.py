@@ -7,6 +7,7 @@ the same way. A character-level tokenizer keeps the vocabulary under 128 ids,
 so the embedding is small and a tiny model can learn string tasks quickly.
 
 CLI: python -m hybridflow.models.tiny --out DIR --preset tiny --arch llama
+     python -m hybridflow.models.tiny --out DIR --reward-model [--body-from SFT_DIR]
 """
 
 from __future__ import annotations
@@ -174,6 +175,44 @@ def save_tiny_model(out_dir, preset: str = "tiny", arch: str = "llama", seed: in
     return out
 
 
+def save_tiny_reward_model(out_dir, preset: str = "tiny", arch: str = "llama", seed: int = 0,
+                           body_from=None, **overrides) -> pathlib.Path:
+    """Write a scalar reward model: an HF *ForSequenceClassification (num_labels=1) + the char tokenizer.
+
+    It reads the policy's token ids as they are, so it shares the policy's tokenizer. `body_from`
+    (an HF causal-LM directory, e.g. the SFT policy) gives it that model's shape and transformer
+    weights, as reward models usually start from the policy; the `score` head is always drawn
+    from `seed`. Without it the body is a fresh seeded model of `preset`/`arch`. Saved as
+    safetensors: `model.*` (the body, as in the causal LM) plus `score.weight` (1, hidden).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    out = pathlib.Path(out_dir)
+    tok = build_tokenizer()
+    if body_from is not None:
+        if overrides:
+            raise ValueError(f"overrides {sorted(overrides)} conflict with body_from (its config decides the shape)")
+        config = AutoConfig.from_pretrained(body_from)
+    else:
+        config = _model_config(arch, preset, len(tok), tok, overrides)
+    config.num_labels = 1
+    config.architectures = None  # save_pretrained writes the sequence-classification class
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    if body_from is not None:
+        body = AutoModelForCausalLM.from_pretrained(body_from, dtype=torch.float32).model
+        model.model.load_state_dict(body.state_dict())
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    (out / "hybridflow_tiny.json").write_text(json.dumps({"task": "reward_model", "preset": preset, "arch": arch,
+                                                          "seed": seed, "body_from": str(body_from or ""),
+                                                          "overrides": overrides}, indent=1) + "\n")
+    return out
+
+
 def _parse_override(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep:
@@ -189,8 +228,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="overrides", action="append", type=_parse_override, default=[],
                    help="config override as key=json_value, e.g. --set tie_word_embeddings=true")
+    p.add_argument("--reward-model", action="store_true",
+                   help="write a scalar reward model (*ForSequenceClassification, num_labels=1) instead")
+    p.add_argument("--body-from", default=None, help="with --reward-model: start from this causal LM's weights")
     args = p.parse_args(argv)
-    out = save_tiny_model(args.out, args.preset, args.arch, args.seed, **dict(args.overrides))
+    if args.body_from and not args.reward_model:
+        p.error("--body-from needs --reward-model")
+    if args.reward_model:
+        out = save_tiny_reward_model(args.out, args.preset, args.arch, args.seed, args.body_from,
+                                     **dict(args.overrides))
+    else:
+        out = save_tiny_model(args.out, args.preset, args.arch, args.seed, **dict(args.overrides))
     print(out)
 
 
