@@ -115,6 +115,11 @@ class RewardModelConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     micro_batch_size_per_gpu: int = 8
+    # How the model's score meets the rule/user scorers (data_source / custom_reward_function):
+    #   replace: token_level_scores = rm_scores; the rule scorers are not called (verl's behaviour when a
+    #            reward model is on), so data sources without a scorer work;
+    #   add:     rule score + model score, both on the last valid response token.
+    reward_mode: str = "replace"
 
 
 @dataclass
@@ -180,7 +185,11 @@ class TrainerConfig:
     max_ckpt_to_keep: int | None = 2
     resume_mode: str = "auto"  # auto | disable | <path>
     default_local_dir: str = "runs/${trainer.experiment_name}"
-    placement: str = "colocate"  # colocate | split
+    # colocate: every role's workers share the actor's bundles (one pool; the ref lives in the actor's processes).
+    # split: a pool per role: actor+rollout (the hybrid engine), ref, critic, reward model; each pool has
+    # nnodes x n_gpus_per_node processes, so the cluster needs that many devices per pool.
+    placement: str = "colocate"
+    rollout_data_dir: str | None = None  # write each step's samples to <dir>/step_<N>.jsonl (verl's key)
     device_peak_flops: float | None = None  # per device, for perf/mfu/actor; None: a table for known devices
     val_before_train: bool = False
     ray: RayConfig = field(default_factory=RayConfig)

@@ -182,3 +182,24 @@ def scores_to_token_level(scores, response_mask: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(batch, length, dtype=torch.float32, device=response_mask.device)
     out[torch.arange(batch, device=response_mask.device), last] = scores
     return out
+
+
+# How a reward model's token-level scores combine with the rule/user scores (reward_model.reward_mode).
+REWARD_MODES = ("replace", "add")
+
+
+def combine_with_rm(rule_scores: torch.Tensor | None, rm_scores: torch.Tensor, mode: str) -> torch.Tensor:
+    """token_level_scores from the reward model's (B, R) scores and, for `add`, the rule scores.
+
+    replace: the model's scores alone (rule_scores is not needed; verl's behaviour with a reward model).
+    add:     rule + model; both sit on the last valid response token, so the sum does too.
+    """
+    if mode == "replace":
+        return rm_scores.float().clone()
+    if mode == "add":
+        if rule_scores is None:
+            raise ValueError("reward_model.reward_mode=add needs the rule scores")
+        if rule_scores.shape != rm_scores.shape:
+            raise ValueError(f"rule scores {tuple(rule_scores.shape)} and rm_scores {tuple(rm_scores.shape)} differ")
+        return rule_scores.float() + rm_scores.float()
+    raise ValueError(f"reward_model.reward_mode={mode!r}; choose one of {', '.join(REWARD_MODES)}")

@@ -25,6 +25,8 @@ def data_metrics(batch, use_critic: bool, rollout_vs_old: bool = True) -> dict[s
     prompt_len = b["attention_mask"][:, :-max_response].sum(-1).float()
     out = {}
     out.update(_stats("critic/score", b["token_level_scores"].sum(-1)))
+    if "rm_scores" in b:  # the reward model's part of the score (all of it with reward_mode=replace)
+        out.update(_stats("critic/rm_score", b["rm_scores"].sum(-1)))
     out.update(_stats("critic/rewards", b["token_level_rewards"].sum(-1)))
     out.update(_stats("critic/advantages", b["advantages"][response_mask]))
     out.update(_stats("critic/returns", b["returns"][response_mask]))

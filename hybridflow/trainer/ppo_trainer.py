@@ -1,7 +1,9 @@
 """The single controller's RL loop: a plain Python loop of named stages, one worker-group call each.
 
-    gen -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
+    gen -> [rm] -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
     (the weight resync to the rollout engine runs at the start of the next gen, inside the workers)
+
+With trainer.placement=split the ref is its own worker group; with colocate it is the actor's.
 
 Everything heavy runs in the SPMD worker groups; the driver only holds batches,
 computes rewards and advantages, and logs.
@@ -55,7 +57,9 @@ def device_peak_flops(cfg: HybridFlowConfig) -> tuple[float, str]:
 
 class RayPPOTrainer:
     def __init__(self, cfg: HybridFlowConfig, tokenizer, train_dataset, sampler, reward_fn, actor_rollout_ref,
-                 critic=None, ref_in_actor: bool = True):
+                 critic=None, ref=None, reward_model=None):
+        """`ref`: the reference group under split placement; None means the actor group hosts it (colocate).
+        `reward_model`: a RewardModelWorker group, or None for rule/user scores only."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.dataset = train_dataset
@@ -64,6 +68,8 @@ class RayPPOTrainer:
         self.arr = actor_rollout_ref
         self.critic = critic
         self.use_critic = critic is not None
+        self.ref = ref if ref is not None else actor_rollout_ref
+        self.rm = reward_model
         self.use_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
         self.run_dir = Path(cfg.trainer.default_local_dir)
@@ -93,17 +99,34 @@ class RayPPOTrainer:
         return DataProto.from_dict(tensors, objects, {"global_step": self.global_step})
 
     # ---------------------------------------------------------------- stages
-    def compute_reward(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
-        from hybridflow.rewards.manager import scores_to_token_level
-
+    def response_texts(self, batch: DataProto) -> list[str]:
+        """The valid response tokens decoded as the rule scorers see them (special tokens dropped)."""
         responses = batch.batch["responses"]
         mask = batch.batch["response_mask"].bool()
-        texts = [self.tokenizer.decode(r[m].tolist(), skip_special_tokens=True) for r, m in zip(responses, mask,
-                                                                                                strict=True)]
+        return [self.tokenizer.decode(r[m].tolist(), skip_special_tokens=True)
+                for r, m in zip(responses, mask, strict=True)]
+
+    def rule_scores(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
+        from hybridflow.rewards.manager import scores_to_token_level
+
+        texts = self.response_texts(batch)
         nt = batch.non_tensor_batch
         scores, metrics = self.reward_fn.score(texts, list(nt["ground_truth"]), list(nt["data_source"]),
                                                list(nt.get("extra_info", [None] * len(texts))))
         return scores_to_token_level(scores, batch.batch["response_mask"]), metrics
+
+    def compute_reward(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
+        """token_level_scores: the rule/user scores, the reward model's (`rm_scores`), or both
+        (reward_model.reward_mode; see hybridflow.rewards.manager.combine_with_rm)."""
+        from hybridflow.rewards.manager import combine_with_rm
+
+        if "rm_scores" not in batch.batch:
+            return self.rule_scores(batch)
+        mode = self.cfg.reward_model.reward_mode
+        if mode == "replace":  # the rule scorers are not called: data sources without one still train
+            return combine_with_rm(None, batch.batch["rm_scores"], mode), {}
+        rule, metrics = self.rule_scores(batch)
+        return combine_with_rm(rule, batch.batch["rm_scores"], mode), metrics
 
     def compute_advantages(self, batch: DataProto) -> dict:
         alg = self.cfg.algorithm
@@ -144,6 +167,9 @@ class RayPPOTrainer:
         metrics.update(M.reduce_worker_metrics(gen.meta_info.pop("metrics", {})))
         batch = gen
         batch.meta_info["rollout_n"] = self.cfg.actor_rollout_ref.rollout.n  # mini-batches count prompts
+        if self.rm is not None:
+            with timer("rm", timings):
+                batch.union(self.rm.compute_rm_score(batch))
         with timer("reward", timings):
             scores, reward_metrics = self.compute_reward(batch)
             batch.batch["token_level_scores"] = scores
@@ -161,12 +187,14 @@ class RayPPOTrainer:
             batch.meta_info["old_log_prob_from_update"] = True
         if self.use_ref:
             with timer("ref", timings):
-                batch.union(self.arr.compute_ref_log_prob(batch))
+                batch.union(self.ref.compute_ref_log_prob(batch))
         if self.use_critic:
             with timer("values", timings):
                 batch.union(self.critic.compute_values(batch))
         with timer("adv", timings):
             metrics.update(self.compute_advantages(batch))
+        if self.cfg.trainer.rollout_data_dir:
+            self.dump_rollouts(batch)
         if self.use_critic:
             with timer("update_critic", timings):
                 out = self.critic.update_critic(batch)
@@ -190,6 +218,19 @@ class RayPPOTrainer:
         metrics["training/epoch"] = float(self.sampler.epoch)
         metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
         return metrics
+
+    def dump_rollouts(self, batch: DataProto) -> Path:
+        """<trainer.rollout_data_dir>/step_<N>.jsonl, one line per sample: what was generated and how it scored.
+
+        The token ids are there so a sample can be re-scored exactly (text does not round-trip every tokenizer).
+        """
+        out_dir = Path(self.cfg.trainer.rollout_data_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"step_{self.global_step}.jsonl"
+        with open(path, "w") as f:
+            for record in rollout_records(batch, self.tokenizer, self.response_texts(batch), self.global_step):
+                f.write(json.dumps(record, default=str) + "\n")
+        return path
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> Path:
@@ -256,6 +297,29 @@ class RayPPOTrainer:
             png = plot_curves(rows, self.run_dir / "curves.png", title=self.cfg.trainer.experiment_name)
             log.info("curves: %s", png)
             print_summary(rows)
+
+
+def rollout_records(batch: DataProto, tokenizer, responses: list[str], step: int) -> list[dict]:
+    """One dict per sample of a scored batch (see RayPPOTrainer.dump_rollouts)."""
+    b, nt = batch.batch, batch.non_tensor_batch
+    r = b["responses"].shape[1]
+    prompt_mask = b["attention_mask"][:, :-r].bool()
+    response_mask = b["response_mask"].bool()
+    score = b["token_level_scores"].sum(-1)
+    rm_score = b["rm_scores"].sum(-1) if "rm_scores" in b else None
+    advantage = (b["advantages"] * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
+    out = []
+    for i in range(len(responses)):
+        prompt_ids = b["input_ids"][i, :-r][prompt_mask[i]].tolist()
+        record = {"step": step, **{k: nt[k][i] if k in nt else None for k in ("uid", "data_source", "ground_truth")},
+                  "prompt": tokenizer.decode(prompt_ids, skip_special_tokens=False),
+                  "response": responses[i], "score": float(score[i]),
+                  "advantage_mean": float(advantage[i]),
+                  "prompt_ids": prompt_ids, "response_ids": b["responses"][i][response_mask[i]].tolist()}
+        if rm_score is not None:
+            record["rm_score"] = float(rm_score[i])
+        out.append(record)
+    return out
 
 
 def _metrics_of(out) -> dict | list:
