@@ -1,7 +1,7 @@
 """Entry point: python -m hybridflow.trainer.main --config configs/ppo_tiny_cpu.yaml [key=value ...]
 
 Validates the whole config and the data before any Ray worker starts, then
-builds the worker groups (colocated hybrid engine by default) and runs the loop.
+builds the worker groups (trainer.placement: colocate, the default, or split) and runs the loop.
 """
 
 from __future__ import annotations
@@ -17,33 +17,57 @@ from hybridflow.config.schema import HybridFlowConfig
 log = logging.getLogger("hybridflow")
 
 
+PLACEMENTS = ("colocate", "split")
+
+
+def _hf_config(key: str, path: str) -> dict:
+    """The config.json of the HF directory named by config key `key`, or an error naming the key."""
+    import json
+
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{key}={path!r} has no config.json")
+    with open(os.path.join(path, "config.json")) as fh:
+        return json.load(fh)
+
+
+def _role_dims(key: str, m, world: int, hf_config: dict):
+    """A role's Megatron mesh on `world` processes, checked against its model; errors name `key` (its megatron)."""
+    from hybridflow.parallel.dims import LayoutError, ModelShape, ParallelDims
+
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1 or world % (tp * pp * cp):
+        raise ValueError(f"trainer.n_gpus_per_node*nnodes={world} is not divisible by {key} tp*pp*cp={tp}*{pp}*{cp}")
+    try:
+        return ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel).validate(
+            world, ModelShape.from_hf_config(hf_config))
+    except LayoutError as e:
+        raise ValueError(f"{key}: {e}") from None
+
+
+def needs_ref(cfg: HybridFlowConfig) -> bool:
+    """The reference model is only run for a KL term (in the reward or in the loss)."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
 def validate(cfg: HybridFlowConfig) -> None:
     """Cheap checks that name the key, before anything expensive starts."""
     from hybridflow.algorithms import get_adv_estimator, needs_critic
-    from hybridflow.parallel.dims import GenerationDims, ModelShape, ParallelDims
+    from hybridflow.parallel.dims import GenerationDims, ModelShape
 
     a = cfg.actor_rollout_ref
-    if not a.model.path or not os.path.isfile(os.path.join(a.model.path, "config.json")):
-        raise FileNotFoundError(f"actor_rollout_ref.model.path={a.model.path!r} has no config.json")
+    actor_hf = _hf_config("actor_rollout_ref.model.path", a.model.path)
     if not cfg.data.train_files:
         raise ValueError("data.train_files is empty")
     for f in cfg.data.train_files:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"data.train_files: {f} does not exist")
     get_adv_estimator(cfg.algorithm.adv_estimator)
-    import json
-
-    with open(os.path.join(a.model.path, "config.json")) as fh:
-        shape = ModelShape.from_hf_config(json.load(fh))
+    if cfg.trainer.placement not in PLACEMENTS:
+        raise ValueError(f"trainer.placement={cfg.trainer.placement!r}; choose one of {', '.join(PLACEMENTS)}")
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    m = a.actor.megatron
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    if world % (tp * pp * m.context_parallel_size):
-        raise ValueError(f"trainer.n_gpus_per_node*nnodes={world} is not divisible by actor tp*pp*cp="
-                         f"{tp}*{pp}*{m.context_parallel_size}")
-    dims = ParallelDims(tp=tp, pp=pp, cp=m.context_parallel_size, dp=world // (tp * pp * m.context_parallel_size),
-                        sp=m.sequence_parallel).validate(world, shape)
-    GenerationDims(a.rollout.tensor_model_parallel_size).validate(dims, shape)
+    dims = _role_dims("actor_rollout_ref.actor.megatron", a.actor.megatron, world, actor_hf)
+    GenerationDims(a.rollout.tensor_model_parallel_size).validate(dims, ModelShape.from_hf_config(actor_hf))
+    _validate_ref(cfg, world, actor_hf)
     rows = cfg.data.train_batch_size
     if rows % dims.dp:
         raise ValueError(f"data.train_batch_size={rows} is not divisible by the actor dp size {dims.dp}")
@@ -59,17 +83,108 @@ def validate(cfg: HybridFlowConfig) -> None:
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and a.rollout.n < 2:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
                          f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
+    _validate_reward_model(cfg, world, actor_hf)
+
+
+def _validate_ref(cfg: HybridFlowConfig, world: int, actor_hf: dict) -> None:
+    """Colocated, the ref shares the actor's processes and Megatron groups; split, it only has to fit its pool."""
+    a = cfg.actor_rollout_ref
+    if cfg.trainer.placement == "split":
+        if needs_ref(cfg):
+            _role_dims("actor_rollout_ref.ref.megatron", a.ref.megatron, world, actor_hf)
+        return
+    layout = lambda m: (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size)
+    if layout(a.ref.megatron) != layout(a.actor.megatron):
+        raise ValueError(f"trainer.placement=colocate runs the ref in the actor's processes, so "
+                         f"actor_rollout_ref.ref.megatron (tp, pp, cp)={layout(a.ref.megatron)} must equal "
+                         f"actor_rollout_ref.actor.megatron's {layout(a.actor.megatron)} "
+                         "(or use trainer.placement=split)")
+
+
+def _validate_reward_model(cfg: HybridFlowConfig, world: int, actor_hf: dict) -> None:
+    from hybridflow.rewards.manager import REWARD_MODES
+
+    rm = cfg.reward_model
+    if not rm.enable:
+        return
+    if rm.reward_mode not in REWARD_MODES:
+        raise ValueError(f"reward_model.reward_mode={rm.reward_mode!r}; choose one of {', '.join(REWARD_MODES)}")
+    try:
+        rm_hf = _hf_config("reward_model.model.path", rm.model.path)
+    except FileNotFoundError as e:
+        hint = "python -m hybridflow.models.tiny --reward-model --out DIR writes a tiny one"
+        raise FileNotFoundError(f"{e} (reward_model.enable=true needs an HF reward model directory; {hint})") from None
+    _role_dims("reward_model.megatron", rm.megatron, world, rm_hf)
+    # The reward model reads the policy's token ids as they are: it must know every id the policy can emit.
+    if rm_hf.get("vocab_size", 0) < actor_hf.get("vocab_size", 0):
+        raise ValueError(f"reward_model.model.path: vocab_size {rm_hf.get('vocab_size')} is smaller than the "
+                         f"actor's {actor_hf.get('vocab_size')}; the reward model must use the policy's tokenizer")
+    if rm.micro_batch_size_per_gpu < 1:
+        raise ValueError(f"reward_model.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must be >= 1")
+
+
+def make_pools(cfg: HybridFlowConfig, roles: list[str]) -> dict:
+    """The ResourcePool of each role. colocate: one pool whose bundles the groups share (up to 3 groups
+    per bundle: actor+rollout+ref, critic, reward model). split: one pool per role, one group per bundle.
+
+    Ray's CPUs are logical here (see build_and_run), so 4 split pools of 2 processes fit a 2-core box.
+    Pools reserve nothing until a group is built on them.
+    """
+    from hybridflow.controller import ResourcePool
+
+    procs = [cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes
+    timeout = cfg.trainer.ray.timeout_s
+    if cfg.trainer.placement == "colocate":
+        shared = ResourcePool("colocated", procs, max_colocate=3, timeout_s=timeout)
+        return {role: shared for role in roles}
+    return {role: ResourcePool(role, procs, max_colocate=1, timeout_s=timeout) for role in roles}
+
+
+def build_groups(cfg: HybridFlowConfig) -> dict:
+    """Every worker group the job needs, initialised: {"actor_rollout", "ref", "critic", "reward_model"}.
+
+    colocate: the actor group also hosts the ref (role actor_rollout_ref) and "ref" is None.
+    split: the ref is an ActorRolloutRefWorker of role "ref" in its own pool (only when a KL term needs it).
+    """
+    from hybridflow.controller import RayWorkerGroup
+    from megatron_workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    a = cfg.actor_rollout_ref
+    split = cfg.trainer.placement == "split"
+    actor_role = "actor_rollout" if split else "actor_rollout_ref"
+    specs = {"actor_rollout": (ActorRolloutRefWorker, (to_dict(a), actor_role), actor_role)}
+    if split and needs_ref(cfg):
+        specs["ref"] = (ActorRolloutRefWorker, (to_dict(a), "ref"), "ref")
+    if cfg.critic.enable:
+        from megatron_workers.critic import CriticWorker
+
+        specs["critic"] = (CriticWorker, (to_dict(cfg.critic),), "critic")
+    if cfg.reward_model.enable:
+        from megatron_workers.reward_model import RewardModelWorker
+
+        specs["reward_model"] = (RewardModelWorker, (to_dict(cfg.reward_model),), "reward_model")
+    pools = make_pools(cfg, list(specs))
+    log.info("trainer.placement=%s: %s", cfg.trainer.placement,
+             ", ".join(f"{name} in pool '{pools[name].name}'" for name in specs))
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    groups = {name: RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s)
+              for name, (cls, args, role) in specs.items()}
+    # One group at a time, the actor's first, each on a port picked just before its init (vLLM in the
+    # actor processes opens ports while it starts).
+    for group in groups.values():
+        group.refresh_rendezvous()
+        group.init_model()
+    return {name: groups.get(name) for name in ("actor_rollout", "ref", "critic", "reward_model")}
 
 
 def build_and_run(cfg: HybridFlowConfig) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from hybridflow.controller import RayWorkerGroup, ResourcePool, init_ray
+    from hybridflow.controller import init_ray
     from hybridflow.data.rl_dataset import RLDataset
     from hybridflow.data.sampler import ResumableSampler
     from hybridflow.rewards.manager import RewardManager
     from hybridflow.trainer.ppo_trainer import RayPPOTrainer
-    from megatron_workers.actor_rollout_ref import ActorRolloutRefWorker
 
     validate(cfg)
     a = cfg.actor_rollout_ref
@@ -85,26 +200,9 @@ def build_and_run(cfg: HybridFlowConfig) -> list[dict]:
     # Ray's CPUs are logical: workers pin their own threads, so a local cluster may hold more ranks than cores.
     num_cpus = r.num_cpus or (None if r.address else max(16, os.cpu_count() or 1))
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
-    procs = [cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes
-    env = {"TOKENIZERS_PARALLELISM": "false"}
-    actor_pool = ResourcePool("actor_rollout_ref", procs, timeout_s=r.timeout_s)
-    arr = RayWorkerGroup(actor_pool, ActorRolloutRefWorker, (to_dict(a), "actor_rollout_ref"),
-                         role="actor_rollout_ref", env=env, timeout_s=r.timeout_s)
-    critic = None
-    if cfg.critic.enable:
-        from megatron_workers.critic import CriticWorker
-
-        critic_pool = actor_pool if cfg.trainer.placement == "colocate" else ResourcePool(
-            "critic", procs, timeout_s=r.timeout_s)
-        critic = RayWorkerGroup(critic_pool, CriticWorker, (to_dict(cfg.critic),), role="critic", env=env,
-                                timeout_s=r.timeout_s)
-    # Each group rendezvous on a port picked just before its init (vLLM opens ports while it starts).
-    arr.refresh_rendezvous()
-    arr.init_model()
-    if critic is not None:
-        critic.refresh_rendezvous()
-        critic.init_model()
-    trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, arr, critic)
+    groups = build_groups(cfg)
+    trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
+                            ref=groups["ref"], reward_model=groups["reward_model"])
     trainer.n_params = _count_params(a.model.path)
     history = trainer.fit()
     trainer.finish(history)
