@@ -185,6 +185,8 @@ def test_placement_checks(model_dirs):
     with pytest.raises(ValueError, match=r"actor_rollout_ref.ref.megatron \(tp, pp, cp\)=\(1, 1, 1\) must equal"):
         _validate(model_dirs, *mismatch)
     _validate(model_dirs, *mismatch, "trainer.placement=split")  # its own processes: any layout that fits
+    with pytest.raises(ValueError, match=r"critic.megatron tp\*pp\*cp=4"):
+        _validate(model_dirs, "critic.enable=true", "critic.megatron.tensor_model_parallel_size=4")
     with pytest.raises(ValueError, match=r"actor_rollout_ref.ref.megatron tp\*pp\*cp=4"):
         _validate(model_dirs, *mismatch, "trainer.placement=split",
                   "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=4")

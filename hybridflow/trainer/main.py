@@ -80,6 +80,9 @@ def validate(cfg: HybridFlowConfig) -> None:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic; critic.enable=False")
     if cfg.critic.enable and not cfg.critic.model.path:
         cfg.critic.model.path = a.model.path
+    if cfg.critic.enable:
+        critic_hf = _hf_config("critic.model.path", cfg.critic.model.path)
+        _role_dims("critic.megatron", cfg.critic.megatron, world, critic_hf)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and a.rollout.n < 2:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
                          f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
