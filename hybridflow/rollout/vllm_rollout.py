@@ -97,6 +97,10 @@ class VLLMRollout(Rollout):
         # Imported here: vLLM's import costs ~13 s and must come after the env is prepared.
         import vllm
 
+        from hybridflow.rollout.vllm_logs import quiet_routine_reload_logs
+
+        quiet_routine_reload_logs()  # its per-step reload lines would bury the driver's progress bar
+
         on_gpu = _on_cuda()
         self.device_type = "cuda" if on_gpu else "cpu"
         self.threads = None
