@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import warnings
 
 import numpy as np
 import torch
@@ -52,10 +53,17 @@ def init_distributed(timeout_s: float = 120.0, backend: str | None = None) -> tu
     return rank, world_size
 
 
+# torch 2.13 deprecates the collective names megatron-core 0.16 calls on every step (distributed optimizer,
+# sequence parallel). The FutureWarning repeats from each rank every step and buries the driver's console;
+# nothing for a user to act on, so it is silenced in the worker processes, and only these two names.
+_MCORE_DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
+
+
 def init_model_parallel(dims: ParallelDims, seed: int = 1234, timeout_s: float = 120.0) -> None:
     """Create Megatron's TP/PP/DP/CP groups for `dims` and seed all RNGs (per-TP-rank streams included)."""
     if not dist.is_initialized():
         raise RuntimeError("init_model_parallel: call init_distributed() first")
+    warnings.filterwarnings("ignore", message=_MCORE_DEPRECATED_COLLECTIVES, category=FutureWarning)
     dims.validate(world_size=dist.get_world_size())  # before the slow megatron import
     from megatron.core import parallel_state, tensor_parallel
 
