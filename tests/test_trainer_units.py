@@ -109,6 +109,23 @@ def test_tracking_backends_all_at_once(tmp_path):
         Tracking(["stdout"], tmp_path, "p", "e")
 
 
+def test_metrics_jsonl_on_resume_and_on_a_fresh_run_in_an_old_directory(tmp_path):
+    def run(start, steps):
+        tr = Tracking(["jsonl"], tmp_path, "p", "e", start_step=start)
+        for s in steps:
+            tr.log({"x": float(s)}, step=s)
+        tr.finish()
+        return [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+
+    assert run(0, [1, 2, 3]) == [1, 2, 3]  # killed after step 3, its last checkpoint was step 2
+    assert run(2, [3, 4]) == [1, 2, 3, 4]  # resumed at 2: step 3 is redone, and listed once
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl.0.old")] == [1, 2, 3]
+    assert run(0, [1]) == [1]  # a fresh run (resume disabled) in the same directory starts a new file
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl.1.old")] == [1, 2, 3, 4]
+    assert run(1, [2]) == [1, 2]  # nothing to drop: no copy is made
+    assert not (tmp_path / "metrics.jsonl.2.old").exists()
+
+
 def test_curves_png(tmp_path):
     from hybridflow.trainer.plots import plot_curves
 

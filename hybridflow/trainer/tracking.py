@@ -34,8 +34,9 @@ class Tracking:
             self._bar = tqdm(total=total_steps, initial=start_step, desc=f"{experiment}", unit="step",
                              dynamic_ncols=True)
         if "jsonl" in backends:
-            # Appending keeps the steps before a resume; the trainer resumes after the last checkpoint.
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finish()
+            path = self.run_dir / "metrics.jsonl"
+            prepare_jsonl(path, start_step)
+            self._jsonl = open(path, "a")  # noqa: SIM115 - closed in finish()
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -112,6 +113,31 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def prepare_jsonl(path: Path, start_step: int) -> Path | None:
+    """Make `path` hold exactly the rows of steps <= start_step before this run appends to it.
+
+    A resumed run (start_step = the checkpoint's step) keeps the rows up to its checkpoint; rows of later
+    steps came from a run killed after its last checkpoint and will be redone, so they would appear twice.
+    A fresh run (start_step = 0) in an old run directory starts an empty file. Nothing is lost: whenever
+    rows are dropped, the whole old file is kept beside it as metrics.jsonl.<n>.old. Returns that copy.
+    """
+    if not path.is_file():
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = [line for line in lines if start_step > 0 and json.loads(line).get("step", 0) <= start_step]
+    if len(keep) == len(lines):
+        return None
+    n = 0
+    while path.with_name(f"{path.name}.{n}.old").exists():
+        n += 1
+    backup = path.with_name(f"{path.name}.{n}.old")
+    path.rename(backup)
+    path.write_text("".join(line + "\n" for line in keep))
+    log.info("%s: kept %d of %d rows (steps <= %d); the old file is %s", path, len(keep), len(lines), start_step,
+             backup)
+    return backup
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
