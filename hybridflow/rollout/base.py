@@ -9,7 +9,8 @@ input  `DataProto` batch keys
     attention_mask  (B, P) 1 on prompt tokens, 0 on left padding
     position_ids    (B, P) optional; derived from attention_mask when absent
   meta_info may override sampling for one call (see `SAMPLING_OVERRIDE_KEYS`),
-  e.g. `do_sample=False` for greedy validation.
+  e.g. `do_sample=False` for greedy validation; `validate=True` marks a validation call,
+  which draws from its own seed stream so the training calls sample what they would without it.
 
 output `DataProto` with B*n rows, sample j of prompt i at row i*n + j:
     prompts            (B*n, P)    the prompt ids, left-padded as given
@@ -41,7 +42,9 @@ from hybridflow.protocol import DataProto
 logger = logging.getLogger(__name__)
 
 # meta_info keys that may override the configured sampling for a single call.
-SAMPLING_OVERRIDE_KEYS = ("do_sample", "n", "temperature", "top_p", "top_k", "response_length", "seed")
+SAMPLING_OVERRIDE_KEYS = ("do_sample", "n", "temperature", "top_p", "top_k", "response_length", "seed", "validate")
+# meta_info key -> SamplingSettings field where the names differ (verl's "validate" would shadow validate()).
+_FIELD_OF_KEY = {"validate": "is_validation"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class SamplingSettings:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     seed: int | None = None
+    # A validation call: engines seed it from a separate counter, so validating does not shift the
+    # per-call seeds of the training rollouts (a run with validation samples what one without does).
+    is_validation: bool = False
 
     @classmethod
     def from_config(cls, config: RolloutConfig) -> SamplingSettings:
@@ -79,7 +85,7 @@ class SamplingSettings:
 
     def with_overrides(self, meta_info: dict) -> SamplingSettings:
         """Applies the meta_info overrides. `do_sample=False` means greedy with n=1 unless n is given too."""
-        over = {k: meta_info[k] for k in SAMPLING_OVERRIDE_KEYS if k in meta_info}
+        over = {_FIELD_OF_KEY.get(k, k): meta_info[k] for k in SAMPLING_OVERRIDE_KEYS if k in meta_info}
         if over.get("do_sample", True) is False:
             over.setdefault("n", 1)
         if not over:

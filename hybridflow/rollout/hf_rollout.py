@@ -49,6 +49,7 @@ class HFRollout(Rollout):
         self.vocab_size = cfg.vocab_size
         self.last_stats: dict[str, float] = {}
         self._calls = 0
+        self._val_calls = 0
         # No tensor parallelism here: in a distributed world every rank is its own replica, so
         # the trainer can slice and gather exactly as for vLLM (see replicas.py).
         import torch.distributed as dist
@@ -66,6 +67,16 @@ class HFRollout(Rollout):
     def _stop_ids(self, s: SamplingSettings) -> list[int]:
         ids = ([] if s.ignore_eos else list(self.eos_token_ids)) + list(s.stop_token_ids)
         return list(dict.fromkeys(ids))
+
+    def _call_seed(self, s: SamplingSettings) -> int:
+        """Seeded per call from the config seed, without touching the caller's global RNG. Validation calls
+        count on their own, so the n-th training call draws the same seed whether or not validations ran."""
+        base = s.seed if s.seed is not None else 0
+        if s.is_validation:
+            self._val_calls += 1
+            return hash((base, self._val_calls - 1, 1)) % (2**63)
+        self._calls += 1
+        return base + self._calls - 1
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -91,9 +102,7 @@ class HFRollout(Rollout):
         else:
             kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p,
                           top_k=s.top_k if s.top_k > 0 else 0)
-        # Seeded per call from the config seed without touching the caller's global RNG.
-        seed = (s.seed if s.seed is not None else 0) + self._calls
-        self._calls += 1
+        seed = self._call_seed(s)
         start = time.perf_counter()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

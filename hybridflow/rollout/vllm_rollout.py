@@ -157,6 +157,7 @@ class VLLMRollout(Rollout):
         self.num_replicas = replicas
         self.pad_token_id = self._pad_token_id()
         self._calls = 0
+        self._val_calls = 0
         logger.info("vLLM rollout on rank %d: t_g=%d, replica %d/%d, tp rank %d, engine start %.1f s",
                     self.rank, t_g, self.replica_rank, replicas, self.tp_rank, self.engine_start_s)
 
@@ -204,6 +205,17 @@ class VLLMRollout(Rollout):
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
                               **common)
 
+    def _call_seed(self, s: SamplingSettings) -> int:
+        """This call's seed from (seed, call, replica). Validation calls count on their own (and hash a
+        4-tuple where training hashes 3-tuples): the n-th training call draws the same seed whether or not
+        validations ran before it. Only ints are hashed: a str hash differs per process and the TP ranks of a
+        replica must agree."""
+        if s.is_validation:
+            self._val_calls += 1
+            return hash(((s.seed or 0), self._val_calls - 1, self.replica_rank, 1)) % (2**63)
+        self._calls += 1
+        return hash(((s.seed or 0), self._calls - 1, self.replica_rank)) % (2**63)
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generates for exactly the rows given (this replica's slice); all ranks of the replica
         must pass the same rows, and all replicas must call together."""
@@ -217,8 +229,7 @@ class VLLMRollout(Rollout):
         # (seed, call, replica) and restore it afterwards: the TP ranks of a replica then draw the
         # same tokens whatever the trainer did with its RNG in between (external_launcher needs
         # identical scheduling on all of them), and the trainer's RNG is left as it was.
-        call_seed = hash(((s.seed or 0), self._calls, self.replica_rank)) % (2**63)
-        self._calls += 1
+        call_seed = self._call_seed(s)
         start = time.perf_counter()
         with _preserved_rng(self.device_type == "cuda"):
             torch.manual_seed(call_seed)
