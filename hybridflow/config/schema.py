@@ -68,6 +68,18 @@ class RefConfig:
 
 
 @dataclass
+class ValKwargsConfig:
+    """Sampling for validation (verl's rollout.val_kwargs). Greedy by default, as in verl, so a val score
+    is a property of the weights, not of one draw."""
+
+    do_sample: bool = False  # false: greedy; temperature/top_p/top_k are then not used
+    temperature: float = 0.0  # with do_sample=true it must be > 0 (0 is greedy in vLLM)
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: off
+    n: int = 1  # samples per val prompt; metrics are named @n (val-core/<data_source>/reward/mean@n)
+
+
+@dataclass
 class RolloutConfig:
     name: str = "vllm"  # vllm | hf
     tensor_model_parallel_size: int = 1
@@ -82,6 +94,7 @@ class RolloutConfig:
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
     log_prob_micro_batch_size_per_gpu: int = 8
     reshard_bucket_bytes: int = 64 * 1024 * 1024
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 
 @dataclass
@@ -151,11 +164,12 @@ class AlgorithmConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
-    val_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)  # read in order, never shuffled; see trainer.test_freq
     prompt_key: str = "prompt"
     max_prompt_length: int = 64
     max_response_length: int = 32
     train_batch_size: int = 8  # prompts per step
+    val_batch_size: int | None = None  # prompts per validation generate call; None: the whole val set at once
     shuffle: bool = True
     seed: int = 1
     filter_overlong_prompts: bool = True
@@ -191,7 +205,11 @@ class TrainerConfig:
     placement: str = "colocate"
     rollout_data_dir: str | None = None  # write each step's samples to <dir>/step_<N>.jsonl (verl's key)
     device_peak_flops: float | None = None  # per device, for perf/mfu/actor; None: a table for known devices
+    # Validation on data.val_files: before the first step (logged at the current step, 0 on a fresh run),
+    # every test_freq steps and after the last step (test_freq <= 0: never); see RayPPOTrainer.validate.
     val_before_train: bool = False
+    test_freq: int = -1
+    validation_data_dir: str | None = None  # write each validation's samples to <dir>/step_<N>.jsonl (verl's key)
     ray: RayConfig = field(default_factory=RayConfig)
 
 

@@ -87,6 +87,42 @@ def validate(cfg: HybridFlowConfig) -> None:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
                          f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
     _validate_reward_model(cfg, world, actor_hf)
+    _validate_validation(cfg)
+
+
+def wants_validation(cfg: HybridFlowConfig) -> bool:
+    """Whether any validation is scheduled (before training, or every trainer.test_freq steps)."""
+    return cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+
+
+def _validate_validation(cfg: HybridFlowConfig) -> None:
+    """data.val_files, data.val_batch_size, trainer.test_freq / val_before_train and rollout.val_kwargs."""
+    d, t, vk = cfg.data, cfg.trainer, cfg.actor_rollout_ref.rollout.val_kwargs
+    for f in d.val_files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"data.val_files: {f} does not exist")
+    if wants_validation(cfg) and not d.val_files:
+        asked = "trainer.val_before_train=true" if t.val_before_train else f"trainer.test_freq={t.test_freq}"
+        raise ValueError(f"{asked} validates on data.val_files, which is empty (set data.val_files=[...], "
+                         "or trainer.val_before_train=false trainer.test_freq=-1)")
+    if d.val_files and not wants_validation(cfg):
+        log.warning("data.val_files is set but no validation is scheduled (trainer.val_before_train=false, "
+                    "trainer.test_freq=%d): it is not read", t.test_freq)
+    if d.val_batch_size is not None and d.val_batch_size < 1:
+        raise ValueError(f"data.val_batch_size={d.val_batch_size} must be >= 1 (or null: the whole val set at once)")
+    key = "actor_rollout_ref.rollout.val_kwargs"
+    if vk.n < 1:
+        raise ValueError(f"{key}.n={vk.n} must be >= 1")
+    if vk.temperature < 0:
+        raise ValueError(f"{key}.temperature={vk.temperature} must be >= 0")
+    if not 0 < vk.top_p <= 1:
+        raise ValueError(f"{key}.top_p={vk.top_p} must be in (0, 1]")
+    if vk.do_sample and vk.temperature == 0:
+        # vLLM treats temperature 0 as greedy: the run would say "sampled" and validate greedily.
+        raise ValueError(f"{key}.do_sample=true samples at {key}.temperature, which is 0 (greedy); "
+                         f"set {key}.temperature > 0 or {key}.do_sample=false")
+    if not vk.do_sample and vk.n > 1:
+        log.warning("%s.do_sample=false with n=%d: greedy gives %d identical samples per prompt", key, vk.n, vk.n)
 
 
 def _validate_ref(cfg: HybridFlowConfig, world: int, actor_hf: dict) -> None:
@@ -192,10 +228,13 @@ def build_and_run(cfg: HybridFlowConfig) -> list[dict]:
     validate(cfg)
     a = cfg.actor_rollout_ref
     tokenizer = AutoTokenizer.from_pretrained(a.model.tokenizer_path or a.model.path)
-    dataset = RLDataset(cfg.data.train_files, tokenizer, prompt_key=cfg.data.prompt_key,
-                        max_prompt_length=cfg.data.max_prompt_length,
-                        apply_chat_template=cfg.data.apply_chat_template,
-                        filter_overlong_prompts=cfg.data.filter_overlong_prompts)
+    # The same class, prompt length and filtering for both: a val prompt is what a training prompt would be.
+    make_dataset = lambda files: RLDataset(files, tokenizer, prompt_key=cfg.data.prompt_key,
+                                           max_prompt_length=cfg.data.max_prompt_length,
+                                           apply_chat_template=cfg.data.apply_chat_template,
+                                           filter_overlong_prompts=cfg.data.filter_overlong_prompts)
+    dataset = make_dataset(cfg.data.train_files)
+    val_dataset = make_dataset(cfg.data.val_files) if wants_validation(cfg) else None
     sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed, shuffle=cfg.data.shuffle)
     reward = RewardManager.from_config(cfg.custom_reward_function)
 
@@ -205,7 +244,7 @@ def build_and_run(cfg: HybridFlowConfig) -> list[dict]:
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
     groups = build_groups(cfg)
     trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
-                            ref=groups["ref"], reward_model=groups["reward_model"])
+                            ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset)
     trainer.n_params = _count_params(a.model.path)
     history = trainer.fit()
     trainer.finish(history)

@@ -3,6 +3,9 @@
     gen -> [rm] -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
     (the weight resync to the rollout engine runs at the start of the next gen, inside the workers)
 
+Validation (`validate`, timer `testing`) reuses gen -> [rm] -> reward on data.val_files with the
+val_kwargs sampling, before the first step and every trainer.test_freq steps.
+
 With trainer.placement=split the ref is its own worker group; with colocate it is the actor's.
 
 Everything heavy runs in the SPMD worker groups; the driver only holds batches,
@@ -26,6 +29,7 @@ from hybridflow.config.load import to_dict
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.protocol import DataProto
 from hybridflow.trainer import metrics as M
+from hybridflow.trainer import validation as V
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.tracking import Tracking, read_jsonl
 
@@ -57,9 +61,10 @@ def device_peak_flops(cfg: HybridFlowConfig) -> tuple[float, str]:
 
 class RayPPOTrainer:
     def __init__(self, cfg: HybridFlowConfig, tokenizer, train_dataset, sampler, reward_fn, actor_rollout_ref,
-                 critic=None, ref=None, reward_model=None):
+                 critic=None, ref=None, reward_model=None, val_dataset=None):
         """`ref`: the reference group under split placement; None means the actor group hosts it (colocate).
-        `reward_model`: a RewardModelWorker group, or None for rule/user scores only."""
+        `reward_model`: a RewardModelWorker group, or None for rule/user scores only.
+        `val_dataset`: an RLDataset of data.val_files, or None when no validation is configured."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.dataset = train_dataset
@@ -76,6 +81,8 @@ class RayPPOTrainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
         self.n_devices = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
         self.peak_flops, self.peak_source = device_peak_flops(cfg)
+        self.val_dataset = val_dataset
+        self.last_val_step: int | None = None  # the step whose policy was last validated (kept in checkpoints)
         self.global_step = 0
         self.n_params = None
 
@@ -232,6 +239,75 @@ class RayPPOTrainer:
                 f.write(json.dumps(record, default=str) + "\n")
         return path
 
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> dict[str, float]:
+        """Generate for every val prompt (dataset order, data.val_batch_size at a time) with the val_kwargs
+        sampling, score as training does (reward model, then rule/user scorers per reward_model.reward_mode),
+        and return verl-named metrics (hybridflow.trainer.validation) plus timing_s/testing.
+
+        Leaves training as it was: the sampler is not used, the KL controller is not read or updated,
+        and the rollout seeds validation calls from their own counter (SamplingSettings.is_validation).
+        """
+        if self.val_dataset is None:
+            raise RuntimeError("validate() needs a val dataset: set data.val_files")
+        t = time.perf_counter()
+        sources, prompts, scores = [], [], []
+        for rows in V.chunks(len(self.val_dataset), self.cfg.data.val_batch_size):
+            batch = self.generate_validation([self.val_dataset[i] for i in rows])
+            batch.batch["token_level_scores"], _ = self.score_validation(batch)
+            sources += [str(s) for s in batch.non_tensor_batch["data_source"]]
+            prompts += [int(i) for i in batch.non_tensor_batch["index"]]
+            scores += batch.batch["token_level_scores"].sum(-1).tolist()
+            if self.cfg.trainer.validation_data_dir:
+                self.dump_validation(batch)
+        metrics = V.validation_metrics(sources, prompts, scores)
+        metrics["timing_s/testing"] = time.perf_counter() - t
+        return metrics
+
+    def generate_validation(self, rows: list[dict]) -> DataProto:
+        """One generate call on the rollout group with the val sampling (meta_info overrides).
+
+        The batch is padded to a multiple of the group's size (DP dispatch splits it evenly; any val set
+        size works) and the pad rows, n samples each, are dropped from the output.
+        """
+        from hybridflow.data.rl_dataset import collate
+
+        tensors, objects = collate(rows, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length)
+        meta = {"global_step": self.global_step, **V.sampling_meta(self.cfg.actor_rollout_ref.rollout.val_kwargs)}
+        padded, pad = DataProto.from_dict(tensors, objects, meta).pad_to_divisor(self.arr.world_size)
+        out = self.arr.generate_sequences(padded)
+        out.meta_info.pop("metrics", None)  # the reshard/gen timings describe training rollouts
+        return out.unpad(pad * meta["n"])
+
+    def score_validation(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
+        """token_level_scores for a val batch, on training's reward path (compute_reward)."""
+        if self.rm is not None:
+            padded, pad = batch.pad_to_divisor(self.rm.world_size)
+            batch.union(self.rm.compute_rm_score(padded).unpad(pad))
+        return self.compute_reward(batch)
+
+    def dump_validation(self, batch: DataProto) -> Path:
+        """<trainer.validation_data_dir>/step_<N>.jsonl, one line per val sample (appended per val chunk)."""
+        out_dir = Path(self.cfg.trainer.validation_data_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"step_{self.global_step}.jsonl"
+        with open(path, "a") as f:
+            for record in rollout_records(batch, self.tokenizer, self.response_texts(batch), self.global_step):
+                f.write(json.dumps(record, default=str) + "\n")
+        return path
+
+    def run_validation(self) -> dict[str, float]:
+        """validate() for the policy at global_step, remembered for resume, with a one-line console summary."""
+        if self.cfg.trainer.validation_data_dir:  # a step validated again after a resume starts its file afresh
+            (Path(self.cfg.trainer.validation_data_dir) / f"step_{self.global_step}.jsonl").unlink(missing_ok=True)
+        metrics = self.validate()
+        self.last_val_step = self.global_step
+        from tqdm import tqdm
+
+        tqdm.write(V.summary_line(self.global_step, metrics, len(self.val_dataset),
+                                  self.cfg.actor_rollout_ref.rollout.val_kwargs.n))
+        return metrics
+
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> Path:
         staging = self.ckpt.staging_dir(self.global_step)
@@ -239,7 +315,8 @@ class RayPPOTrainer:
         if self.use_critic:
             self.critic.save_checkpoint(str(staging / "critic"), {"global_step": self.global_step})
         state = {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
-                 "kl_coef": float(self.kl_ctrl.value), "torch_rng": torch.get_rng_state().tolist()}
+                 "kl_coef": float(self.kl_ctrl.value), "torch_rng": torch.get_rng_state().tolist(),
+                 "last_val_step": self.last_val_step}
         return self.ckpt.commit(self.global_step, staging, state)
 
     def maybe_resume(self) -> int:
@@ -263,6 +340,7 @@ class RayPPOTrainer:
         self.kl_ctrl.value = state["kl_coef"]
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         self.global_step = int(state["global_step"])
+        self.last_val_step = state.get("last_val_step")  # absent in checkpoints from before validation existed
         log.info("resumed from %s at step %d", path, self.global_step)
         return self.global_step
 
@@ -275,10 +353,18 @@ class RayPPOTrainer:
                            self.cfg.trainer.experiment_name, to_dict(self.cfg), total_steps=total,
                            start_step=self.global_step)
         history = []
+        validating = self.val_dataset is not None
         try:
+            if validating and V.validate_before_training(self.cfg.trainer.val_before_train, self.global_step,
+                                                         self.last_val_step):
+                m = self.run_validation()
+                tracker.log(m, self.global_step, advance=False)  # not a training step: the bar stays
+                history.append({"step": self.global_step, **m})
             while self.global_step < total:
                 self.global_step += 1
                 m = self.step()
+                if validating and V.should_validate(self.global_step, total, self.cfg.trainer.test_freq):
+                    m.update(self.run_validation())  # logged with the step it validates, as verl does
                 tracker.log(m, self.global_step)
                 history.append({"step": self.global_step, **m})
                 sf = self.cfg.trainer.save_freq
@@ -307,15 +393,20 @@ def rollout_records(batch: DataProto, tokenizer, responses: list[str], step: int
     response_mask = b["response_mask"].bool()
     score = b["token_level_scores"].sum(-1)
     rm_score = b["rm_scores"].sum(-1) if "rm_scores" in b else None
-    advantage = (b["advantages"] * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
+    advantage = None  # validation batches have none
+    if "advantages" in b:
+        advantage = (b["advantages"] * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
     out = []
     for i in range(len(responses)):
         prompt_ids = b["input_ids"][i, :-r][prompt_mask[i]].tolist()
         record = {"step": step, **{k: nt[k][i] if k in nt else None for k in ("uid", "data_source", "ground_truth")},
                   "prompt": tokenizer.decode(prompt_ids, skip_special_tokens=False),
                   "response": responses[i], "score": float(score[i]),
-                  "advantage_mean": float(advantage[i]),
                   "prompt_ids": prompt_ids, "response_ids": b["responses"][i][response_mask[i]].tolist()}
+        if advantage is not None:
+            record["advantage_mean"] = float(advantage[i])
+        if "index" in nt:  # the prompt's row in its dataset (validation dumps: which val prompt)
+            record["index"] = int(nt["index"][i])
         if rm_score is not None:
             record["rm_score"] = float(rm_score[i])
         out.append(record)

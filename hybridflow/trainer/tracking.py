@@ -59,7 +59,8 @@ class Tracking:
             if config:
                 mlflow.log_params({k: str(v)[:250] for k, v in _flatten(config).items()})
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int, advance: bool = True) -> None:
+        """advance=False: a row that is not a training step (validation before training) leaves the bar's count."""
         clean = {k: float(v) for k, v in metrics.items() if _finite(v)}
         if self._jsonl:
             self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
@@ -80,8 +81,10 @@ class Tracking:
                                ("perf/time_per_step", "s/step")):
                 if key in clean:
                     post[short] = f"{clean[key]:.3g}"
-            self._bar.set_postfix(post, refresh=False)
-            self._bar.update(1)
+            if post:
+                self._bar.set_postfix(post, refresh=False)
+            if advance:
+                self._bar.update(1)
 
     def finish(self) -> None:
         if self._bar is not None:
