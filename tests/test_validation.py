@@ -322,3 +322,31 @@ def test_resume_does_not_validate_a_finished_step_again(tmp_path, parquet_data):
     resumed, arr = _trainer(tmp_path / "other", parquet_data, total=2, **{**common, "trainer.test_freq": -1})
     resumed.fit()
     assert [c["global_step"] for c in arr.calls if c.get("validate")] == [1]
+
+
+class FakeRewardModel:
+    """Stands in for the reward model group: 0.25 on each sample's last valid token. Three ranks, so a val chunk
+    of 2 prompts has to be padded for it."""
+
+    world_size = 3
+
+    def __init__(self):
+        self.rows = []
+
+    def compute_rm_score(self, batch: DataProto) -> DataProto:
+        from hybridflow.rewards.manager import scores_to_token_level
+
+        assert len(batch) % self.world_size == 0, "the driver pads for the reward model's DP dispatch too"
+        self.rows.append(len(batch))
+        return DataProto.from_dict({"rm_scores": scores_to_token_level([0.25] * len(batch),
+                                                                       batch.batch["response_mask"])})
+
+
+@pytest.mark.parametrize("mode, expected", [("replace", 0.25), ("add", 0.6 + 0.25)])
+def test_validation_scores_through_the_reward_model_as_training_does(tmp_path, parquet_data, mode, expected):
+    trainer, _ = _trainer(tmp_path / "run", parquet_data, total=1, **{
+        "data.val_batch_size": 2, "reward_model.reward_mode": mode})
+    trainer.rm = FakeRewardModel()
+    metrics = trainer.validate()
+    assert metrics[f"val-core/{SOURCE}/reward/mean@1"] == pytest.approx(expected, abs=1e-7)  # float32 scores
+    assert trainer.rm.rows == [3, 3, 3]  # chunks of 2, 2 and 1 prompts, each padded to the 3 ranks
