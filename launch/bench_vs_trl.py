@@ -140,6 +140,7 @@ def our_overrides(model: Path, data: Path, run_dir: Path, steps: int, extra: lis
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
         f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
         "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}",
+        "data.val_files=[]", "trainer.val_before_train=false", "trainer.test_freq=-1",  # TRL's side has none
         f"trainer.experiment_name={run_dir.name}",
         *LAYOUT, *extra,
     ]

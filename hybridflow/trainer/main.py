@@ -216,7 +216,8 @@ def build_groups(cfg: HybridFlowConfig) -> dict:
     return {name: groups.get(name) for name in ("actor_rollout", "ref", "critic", "reward_model")}
 
 
-def build_and_run(cfg: HybridFlowConfig) -> list[dict]:
+def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
+    """Build every worker group and run the loop; `validated`: main() already ran validate(cfg)."""
     from transformers import AutoTokenizer
 
     from hybridflow.controller import init_ray
@@ -225,7 +226,8 @@ def build_and_run(cfg: HybridFlowConfig) -> list[dict]:
     from hybridflow.rewards.manager import RewardManager
     from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 
-    validate(cfg)
+    if not validated:
+        validate(cfg)
     a = cfg.actor_rollout_ref
     tokenizer = AutoTokenizer.from_pretrained(a.model.tokenizer_path or a.model.path)
     # The same class, prompt length and filtering for both: a val prompt is what a training prompt would be.
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    build_and_run(cfg)
+    build_and_run(cfg, validated=True)
 
 
 if __name__ == "__main__":

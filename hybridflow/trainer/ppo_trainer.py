@@ -201,7 +201,7 @@ class RayPPOTrainer:
         with timer("adv", timings):
             metrics.update(self.compute_advantages(batch))
         if self.cfg.trainer.rollout_data_dir:
-            self.dump_rollouts(batch)
+            self.dump_samples(batch, self.cfg.trainer.rollout_data_dir)
         if self.use_critic:
             with timer("update_critic", timings):
                 out = self.critic.update_critic(batch)
@@ -226,15 +226,17 @@ class RayPPOTrainer:
         metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
         return metrics
 
-    def dump_rollouts(self, batch: DataProto) -> Path:
-        """<trainer.rollout_data_dir>/step_<N>.jsonl, one line per sample: what was generated and how it scored.
+    def dump_samples(self, batch: DataProto, directory: str, append: bool = False) -> Path:
+        """<directory>/step_<N>.jsonl, one line per sample: what was generated and how it scored.
 
-        The token ids are there so a sample can be re-scored exactly (text does not round-trip every tokenizer).
+        trainer.rollout_data_dir gets each training batch; trainer.validation_data_dir each validation
+        (appended chunk by chunk). The token ids are there so a sample can be re-scored exactly (text does
+        not round-trip every tokenizer).
         """
-        out_dir = Path(self.cfg.trainer.rollout_data_dir)
+        out_dir = Path(directory)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"step_{self.global_step}.jsonl"
-        with open(path, "w") as f:
+        with open(path, "a" if append else "w") as f:
             for record in rollout_records(batch, self.tokenizer, self.response_texts(batch), self.global_step):
                 f.write(json.dumps(record, default=str) + "\n")
         return path
@@ -252,14 +254,14 @@ class RayPPOTrainer:
             raise RuntimeError("validate() needs a val dataset: set data.val_files")
         t = time.perf_counter()
         sources, prompts, scores = [], [], []
-        for rows in V.chunks(len(self.val_dataset), self.cfg.data.val_batch_size):
+        for k, rows in enumerate(V.chunks(len(self.val_dataset), self.cfg.data.val_batch_size)):
             batch = self.generate_validation([self.val_dataset[i] for i in rows])
             batch.batch["token_level_scores"], _ = self.score_validation(batch)
             sources += [str(s) for s in batch.non_tensor_batch["data_source"]]
             prompts += [int(i) for i in batch.non_tensor_batch["index"]]
             scores += batch.batch["token_level_scores"].sum(-1).tolist()
             if self.cfg.trainer.validation_data_dir:
-                self.dump_validation(batch)
+                self.dump_samples(batch, self.cfg.trainer.validation_data_dir, append=k > 0)
         metrics = V.validation_metrics(sources, prompts, scores)
         metrics["timing_s/testing"] = time.perf_counter() - t
         return metrics
@@ -285,16 +287,6 @@ class RayPPOTrainer:
             padded, pad = batch.pad_to_divisor(self.rm.world_size)
             batch.union(self.rm.compute_rm_score(padded).unpad(pad))
         return self.compute_reward(batch)
-
-    def dump_validation(self, batch: DataProto) -> Path:
-        """<trainer.validation_data_dir>/step_<N>.jsonl, one line per val sample (appended per val chunk)."""
-        out_dir = Path(self.cfg.trainer.validation_data_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"step_{self.global_step}.jsonl"
-        with open(path, "a") as f:
-            for record in rollout_records(batch, self.tokenizer, self.response_texts(batch), self.global_step):
-                f.write(json.dumps(record, default=str) + "\n")
-        return path
 
     def run_validation(self) -> dict[str, float]:
         """validate() for the policy at global_step, remembered for resume, with a one-line console summary."""
@@ -386,7 +378,7 @@ class RayPPOTrainer:
 
 
 def rollout_records(batch: DataProto, tokenizer, responses: list[str], step: int) -> list[dict]:
-    """One dict per sample of a scored batch (see RayPPOTrainer.dump_rollouts)."""
+    """One dict per sample of a scored batch (see RayPPOTrainer.dump_samples)."""
     b, nt = batch.batch, batch.non_tensor_batch
     r = b["responses"].shape[1]
     prompt_mask = b["attention_mask"][:, :-r].bool()
