@@ -53,7 +53,9 @@ class RolloutRole:
             self.rollout = HFRollout(AutoModelForCausalLM.from_pretrained(path), cfg)
             replica, replicas, tp_rank = self.rank, self.world_size, 0
         else:
-            raise ValueError(f"actor_rollout_ref.rollout.name={cfg.name!r}; choose 'vllm' or 'hf'")
+            from hybridflow.rollout.base import ENGINES
+
+            raise ValueError(f"actor_rollout_ref.rollout.name={cfg.name!r}; choose one of {', '.join(ENGINES)}")
         self.set_mesh_coords(ROLLOUT_MESH, dp_rank=replica, dp_size=replicas, tp_rank=tp_rank,
                              is_collect=tp_rank == 0)
 

@@ -189,15 +189,10 @@ def test_hf_rollout_empty_batch(tiny):
     assert isinstance(out.non_tensor_batch["uid"], np.ndarray)
 
 
-def test_build_rollout_picks_engine(tiny):
-    from hybridflow.rollout.factory import build_rollout
-
+def test_hf_rollout_from_a_path_is_one_replica(tiny):
     path, _, _ = tiny
-    rollout = build_rollout(str(path), RolloutConfig(name="hf", response_length=4))
-    assert isinstance(rollout, HFRollout)
+    rollout = HFRollout(str(path), RolloutConfig(name="hf", response_length=4))
     assert (rollout.replica_rank, rollout.num_replicas, rollout.is_replica_leader) == (0, 1, True)
-    with pytest.raises(ValueError, match="rollout.name='sglang'"):
-        build_rollout(str(path), RolloutConfig(name="sglang"))
 
 
 def test_remove_own_shm_segments_only_touches_this_rank_and_job(tmp_path, monkeypatch):

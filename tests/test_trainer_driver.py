@@ -180,6 +180,8 @@ def test_reward_model_config_errors_name_the_key(model_dirs, tmp_path):
 def test_placement_checks(model_dirs):
     with pytest.raises(ValueError, match="trainer.placement='spread'"):
         _validate(model_dirs, "trainer.placement=spread")
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name='sglang'"):  # before any worker starts
+        _validate(model_dirs, "actor_rollout_ref.rollout.name=sglang")
     mismatch = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                 "actor_rollout_ref.actor.use_kl_loss=true"]
     with pytest.raises(ValueError, match=r"actor_rollout_ref.ref.megatron \(tp, pp, cp\)=\(1, 1, 1\) must equal"):

@@ -5,7 +5,6 @@
 - replicas.py: slicing a batch over generation replicas and gathering it back
 - vllm_rollout.py / vllm_launch.py: in-process vLLM (external_launcher) on the worker's ranks
 - hf_rollout.py: HF transformers `generate`, the reference and the fallback
-- factory.py: `build_rollout` picks one from `rollout.name`
 
 Nothing here imports vLLM at package import (it costs ~13 s); the engine modules do, lazily.
 """

@@ -41,6 +41,9 @@ from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
+# actor_rollout_ref.rollout.name: the engines megatron_workers/rollout_role.py can attach.
+ENGINES = ("vllm", "hf")
+
 # meta_info keys that may override the configured sampling for a single call.
 SAMPLING_OVERRIDE_KEYS = ("do_sample", "n", "temperature", "top_p", "top_k", "response_length", "seed", "validate")
 # meta_info key -> SamplingSettings field where the names differ (verl's "validate" would shadow validate()).

@@ -62,6 +62,10 @@ def validate(cfg: HybridFlowConfig) -> None:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"data.train_files: {f} does not exist")
     get_adv_estimator(cfg.algorithm.adv_estimator)
+    from hybridflow.rollout.base import ENGINES
+
+    if a.rollout.name not in ENGINES:
+        raise ValueError(f"actor_rollout_ref.rollout.name={a.rollout.name!r}; choose one of {', '.join(ENGINES)}")
     if cfg.trainer.placement not in PLACEMENTS:
         raise ValueError(f"trainer.placement={cfg.trainer.placement!r}; choose one of {', '.join(PLACEMENTS)}")
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
