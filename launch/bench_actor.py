@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# H200 dense bf16 (the number FACTS.md says to use); the measured 8192^3 matmul reaches ~790.
-PEAK_FLOPS = {"H200": (989e12, "H200 dense bf16 989 TFLOP/s")}
 
 
 def _free_port() -> int:
@@ -111,8 +109,10 @@ def worker(args) -> None:
               "logprob_tokens_per_s": round(tokens / lp_time, 1), "update_tokens_per_s": round(tokens / up_time, 1),
               "device": "cuda" if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+        from hybridflow.trainer.metrics import known_peak_flops
+
+        # H200: dense bf16 989 TFLOP/s, the number FACTS.md says to use (a measured 8192^3 matmul reaches ~790).
+        peak = known_peak_flops(torch.cuda.get_device_name())
         if peak is not None:
             flops = 3 * model_flops_per_token(cfg, p + r) * tokens  # forward + backward (2x)
             result["mfu"] = round(flops / up_time / (peak[0] * dist.get_world_size()), 4)

@@ -82,6 +82,18 @@ def throughput_metrics(n_prompt: int, n_response: int, step_time: float, n_devic
     return out
 
 
+# Dense bf16 peaks per device, for MFU (perf/mfu/actor and launch/bench_actor.py).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def known_peak_flops(device_name: str) -> tuple[float, str] | None:
+    """(peak FLOP/s, what it is) for a device name as torch.cuda.get_device_name() gives it, or None."""
+    for key, peak in PEAK_FLOPS.items():
+        if key in device_name:
+            return peak, f"{key} dense bf16"
+    return None
+
+
 def transformer_flops(n_params: float, n_tokens: int, passes: float) -> float:
     """Dense FLOPs ~= 2 * params * tokens per forward; `passes` forward-equivalents (train = 3)."""
     return 2.0 * n_params * n_tokens * passes

@@ -35,10 +35,6 @@ from hybridflow.trainer.tracking import Tracking, read_jsonl
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 peaks per device, for perf/mfu/actor (say which one was used: it is logged at start).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-
-
 @contextlib.contextmanager
 def timer(name: str, timings: dict):
     t = time.perf_counter()
@@ -49,12 +45,8 @@ def timer(name: str, timings: dict):
 def device_peak_flops(cfg: HybridFlowConfig) -> tuple[float, str]:
     if cfg.trainer.device_peak_flops:
         return float(cfg.trainer.device_peak_flops), "config"
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, peak in PEAK_FLOPS.items():
-            if key in name:
-                return peak, f"{key} dense bf16"
-        return 989e12, "unknown GPU, H100 dense bf16 assumed"
+    if torch.cuda.is_available():  # which peak was used is logged at start
+        return M.known_peak_flops(torch.cuda.get_device_name()) or (989e12, "unknown GPU, H100 dense bf16 assumed")
     # One worker thread of an AVX2 core: 2 FMA units x 8 fp32 lanes x 2 flops x ~2.5 GHz.
     return 80e9, "one AVX2 core fp32 (estimate)"
 
