@@ -181,3 +181,11 @@ class Rollout(abc.ABC):
 
     def sampling_for(self, prompts: DataProto) -> SamplingSettings:
         return SamplingSettings.from_config(self.config).with_overrides(prompts.meta_info)
+
+    def next_call_index(self, s: SamplingSettings) -> int:
+        """How many calls of this kind came before: training and validation calls are counted apart, so
+        the n-th training call is seeded the same whether or not validations ran in between."""
+        counts = self.__dict__.setdefault("_call_counts", {False: 0, True: 0})
+        index = counts[s.is_validation]
+        counts[s.is_validation] += 1
+        return index

@@ -48,8 +48,6 @@ class HFRollout(Rollout):
         self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.vocab_size = cfg.vocab_size
         self.last_stats: dict[str, float] = {}
-        self._calls = 0
-        self._val_calls = 0
         # No tensor parallelism here: in a distributed world every rank is its own replica, so
         # the trainer can slice and gather exactly as for vLLM (see replicas.py).
         import torch.distributed as dist
@@ -71,12 +69,8 @@ class HFRollout(Rollout):
     def _call_seed(self, s: SamplingSettings) -> int:
         """Seeded per call from the config seed, without touching the caller's global RNG. Validation calls
         count on their own, so the n-th training call draws the same seed whether or not validations ran."""
-        base = s.seed if s.seed is not None else 0
-        if s.is_validation:
-            self._val_calls += 1
-            return hash((base, self._val_calls - 1, 1)) % (2**63)
-        self._calls += 1
-        return base + self._calls - 1
+        base, index = (s.seed if s.seed is not None else 0), self.next_call_index(s)
+        return hash((base, index, 1)) % (2**63) if s.is_validation else base + index
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:

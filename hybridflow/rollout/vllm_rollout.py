@@ -156,8 +156,6 @@ class VLLMRollout(Rollout):
         self.replica_rank = parallel_state.get_dp_group().rank_in_group if replicas > 1 else 0
         self.num_replicas = replicas
         self.pad_token_id = self._pad_token_id()
-        self._calls = 0
-        self._val_calls = 0
         logger.info("vLLM rollout on rank %d: t_g=%d, replica %d/%d, tp rank %d, engine start %.1f s",
                     self.rank, t_g, self.replica_rank, replicas, self.tp_rank, self.engine_start_s)
 
@@ -210,11 +208,8 @@ class VLLMRollout(Rollout):
         4-tuple where training hashes 3-tuples): the n-th training call draws the same seed whether or not
         validations ran before it. Only ints are hashed: a str hash differs per process and the TP ranks of a
         replica must agree."""
-        if s.is_validation:
-            self._val_calls += 1
-            return hash(((s.seed or 0), self._val_calls - 1, self.replica_rank, 1)) % (2**63)
-        self._calls += 1
-        return hash(((s.seed or 0), self._calls - 1, self.replica_rank)) % (2**63)
+        key = ((s.seed or 0), self.next_call_index(s), self.replica_rank) + ((1,) if s.is_validation else ())
+        return hash(key) % (2**63)
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generates for exactly the rows given (this replica's slice); all ranks of the replica
