@@ -151,20 +151,15 @@ def our_overrides(model: Path, data: Path, run_dir: Path, steps: int, extra: lis
     ]
 
 
-def layout_of(overrides: list[str]) -> str:
-    """The actor/ref/rollout layout a run used, from its overrides (later ones win, as in the trainer)."""
-    a = "actor_rollout_ref"
-    got = {"actor_tp": 2, "ref_tp": 2, "rollout_tp": 1, "micro": 64}  # configs/grpo_tiny_cpu.yaml
-    keys = {f"{a}.actor.megatron.tensor_model_parallel_size": "actor_tp",
-            f"{a}.ref.megatron.tensor_model_parallel_size": "ref_tp",
-            f"{a}.rollout.tensor_model_parallel_size": "rollout_tp",
-            f"{a}.actor.ppo_micro_batch_size_per_gpu": "micro"}
-    for o in overrides:
-        k, _, v = o.partition("=")
-        if k in keys:
-            got[keys[k]] = int(v)
-    return (f"actor TP{got['actor_tp']}xDP{2 // got['actor_tp']}, ref TP{got['ref_tp']}, "
-            f"vLLM-cpu rollout TP{got['rollout_tp']}, 2 worker processes, actor micro-batch {got['micro']}")
+def layout_of(run_dir: Path) -> str:
+    """The actor/ref/rollout layout a run used, read from the config.yaml the trainer resolved and saved."""
+    from omegaconf import OmegaConf
+
+    a = OmegaConf.load(run_dir / "config.yaml").actor_rollout_ref
+    tp = a.actor.megatron.tensor_model_parallel_size
+    return (f"actor TP{tp}xDP{2 // tp}, ref TP{a.ref.megatron.tensor_model_parallel_size}, "
+            f"vLLM-cpu rollout TP{a.rollout.tensor_model_parallel_size}, 2 worker processes, "
+            f"actor micro-batch {a.actor.ppo_micro_batch_size_per_gpu}")
 
 
 def run_ours(preset: str, model: Path, data: Path, steps: int, extra: list[str], timeout_s: int) -> list[dict]:
@@ -268,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             row["hybridflow_tokens_per_s"] = ours.pop("tokens_per_s")
             row["hybridflow"] = {**ours, "wall_s": round(time.perf_counter() - t, 1), "loadavg_start": la,
                                  "loadavg_end": load_avg(), "overrides": args.ours_override,
-                                 "layout": layout_of([*LAYOUT, *args.ours_override])}
+                                 "layout": layout_of(WORK / f"ours_{preset}")}
         if args.only != "ours":
             t, la = time.perf_counter(), load_avg()
             res = run_trl(preset, model, data, args.steps, args.trl_micro_batch, args.trl_threads, args.timeout_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer import metrics as M
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.tracking import Tracking, read_jsonl
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_config_file_and_overrides(tmp_path):
@@ -133,3 +136,14 @@ def test_curves_png(tmp_path):
     out = plot_curves(rows, tmp_path / "c.png", title="t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     json.dumps(rows)
+
+
+def test_saved_run_config_reloads_to_the_same_config(tmp_path):
+    from hybridflow.config.load import save_resolved, to_dict
+
+    cfg = load_config(str(REPO_ROOT / "configs" / "ppo_tiny_cpu.yaml"),
+                      ["actor_rollout_ref.actor.optim.lr=3e-5", "trainer.default_local_dir=/x/y"])
+    path = save_resolved(cfg, tmp_path / "run" / "config.yaml")
+    again = load_config(str(path), [])
+    assert to_dict(again) == to_dict(cfg)
+    assert again.actor_rollout_ref.actor.optim.lr == 3e-5 and again.trainer.default_local_dir == "/x/y"

@@ -74,3 +74,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def to_dict(cfg) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def save_resolved(cfg, path) -> Path:
+    """The whole config as the run used it (defaults, file and overrides resolved) as YAML, so a run directory
+    says how it was made and tools read the layout from it instead of re-deriving it from overrides."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
+    return path

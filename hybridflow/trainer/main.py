@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from hybridflow.config.load import load_config, to_dict
+from hybridflow.config.load import load_config, save_resolved, to_dict
 from hybridflow.config.schema import HybridFlowConfig
 
 log = logging.getLogger("hybridflow")
@@ -247,6 +247,7 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     r = cfg.trainer.ray
     # Ray's CPUs are logical: workers pin their own threads, so a local cluster may hold more ranks than cores.
     num_cpus = r.num_cpus or (None if r.address else max(16, os.cpu_count() or 1))
+    save_resolved(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
     groups = build_groups(cfg)
     trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
