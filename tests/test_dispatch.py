@@ -1,5 +1,7 @@
 """Dispatch and collect are pure functions: checked here without Ray."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -68,3 +70,15 @@ def test_user_mode_and_unknown_mode():
         register_dispatch_mode("test_reverse", d, c)
     with pytest.raises(DispatchError, match="unknown dispatch mode 'nope'"):
         get_mode("nope")
+
+
+def test_ray_temp_dir_keeps_socket_paths_within_af_unix_limit():
+    from hybridflow.controller.ray_env import ray_temp_dir
+
+    # what broke once pytest's counter reached 101: 46 characters + Ray's 62-character socket suffix
+    longest = "/session_2026-12-02_18-35-20_571285_14334/sockets/plasma_store"
+    for run_dir in ("/tmp/pytest-of-root/pytest-101/runs0/plain", "/r", "/tmp/" + "x" * 200):
+        assert len(str(ray_temp_dir(run_dir)) + longest) <= 107, run_dir
+    assert ray_temp_dir("/r") == Path("/r/ray")  # short enough: kept under the run dir
+    a, b = ray_temp_dir("/tmp/" + "x" * 200), ray_temp_dir("/tmp/" + "y" * 200)
+    assert a != b and a == ray_temp_dir("/tmp/" + "x" * 200)  # distinct runs, stable per run

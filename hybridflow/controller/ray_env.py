@@ -13,6 +13,23 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+# The longest socket path Ray creates under its temp dir (a 7-digit pid, the most Linux hands out); with the
+# temp dir it must fit AF_UNIX's 107 bytes. A fixed length guess (60) failed once pytest's counter hit 101.
+_LONGEST_SOCKET_SUFFIX = "/session_2026-12-02_18-35-20_571285_1234567/sockets/plasma_store"
+_UNIX_SOCKET_PATH_MAX = 107
+
+
+def ray_temp_dir(run_dir, override: str | None = None) -> Path:
+    """<run_dir>/ray (or `override`), absolute; a short /tmp name derived from it when Ray's socket paths
+    under it would not fit in AF_UNIX's 107 bytes."""
+    tmp = Path(override or Path(run_dir).resolve() / "ray")
+    if len(str(tmp)) + len(_LONGEST_SOCKET_SUFFIX) > _UNIX_SOCKET_PATH_MAX:
+        import hashlib
+
+        tmp = Path("/tmp") / f"hf_ray_{hashlib.sha1(str(tmp).encode()).hexdigest()[:10]}"
+    return tmp
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None, include_dashboard: bool = False,
              object_store_memory: int | None = 2 * 1024**3, run_dir: str | os.PathLike = "runs",
              env_vars: dict | None = None):
@@ -26,12 +43,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
     if address:
         log.info("joining Ray cluster at %s", address)
         return ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-    # Ray's unix sockets must fit in 107 bytes, so keep the temp dir short and absolute.
-    tmp = Path(os.environ.get("RAY_TMPDIR") or Path(run_dir).resolve() / "ray")
-    if len(str(tmp)) > 60:
-        import hashlib
-
-        tmp = Path("/tmp") / f"hf_ray_{hashlib.sha1(str(tmp).encode()).hexdigest()[:10]}"
+    tmp = ray_temp_dir(run_dir, os.environ.get("RAY_TMPDIR"))
     tmp.mkdir(parents=True, exist_ok=True)
     # A stale "current cluster" marker makes the next init try to join a dead cluster.
     stale = tmp / "ray_current_cluster"
