@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from hybridflow.config.schema import CustomRewardConfig
-from hybridflow.rewards import gsm8k, manager, math_answer, synthetic
+from hybridflow.rewards import gsm8k_lenient, manager, math_answer, synthetic
 from hybridflow.rewards.manager import RewardManager, scores_to_token_level
 from hybridflow.rewards.user_fn import load_reward_fn
 
-# ---------------------------------------------------------------- gsm8k
+# ---------------------------------------------------------- gsm8k_lenient (verl's rules: test_rewards_gsm8k_verl.py)
 
 
 @pytest.mark.parametrize(
@@ -26,22 +26,22 @@ from hybridflow.rewards.user_fn import load_reward_fn
         ("costs $.5 each", None, ".5"),
     ],
 )
-def test_gsm8k_extraction(text, strict, flexible):
-    assert gsm8k.extract_solution(text, "strict") == strict
-    assert gsm8k.extract_solution(text, "flexible") == flexible
+def test_gsm8k_lenient_extraction(text, strict, flexible):
+    assert gsm8k_lenient.extract_solution(text, "strict") == strict
+    assert gsm8k_lenient.extract_solution(text, "flexible") == flexible
 
 
-def test_gsm8k_score():
-    assert gsm8k.compute_score("so #### 72", "72") == 1.0
-    assert gsm8k.compute_score("so #### 72.00", "72") == 1.0  # same number
-    assert gsm8k.compute_score("so #### 5,000", "5000") == 1.0
-    assert gsm8k.compute_score("the answer is 72", "72") == 0.0  # strict needs ####
-    assert gsm8k.compute_score("the answer is 72", "72", method="flexible") == 1.0
-    assert gsm8k.compute_score("#### 71", "72", format_score=0.1) == 0.1
-    assert gsm8k.compute_score("nothing", "72", format_score=0.1) == 0.0
-    assert gsm8k.compute_score("#### 72", "72", score=2.0) == 2.0
+def test_gsm8k_lenient_score():
+    assert gsm8k_lenient.compute_score("so #### 72", "72") == 1.0
+    assert gsm8k_lenient.compute_score("so #### 72.00", "72") == 1.0  # same number
+    assert gsm8k_lenient.compute_score("so #### 5,000", "5000") == 1.0
+    assert gsm8k_lenient.compute_score("the answer is 72", "72") == 0.0  # strict needs ####
+    assert gsm8k_lenient.compute_score("the answer is 72", "72", method="flexible") == 1.0
+    assert gsm8k_lenient.compute_score("#### 71", "72", format_score=0.1) == 0.1
+    assert gsm8k_lenient.compute_score("nothing", "72", format_score=0.1) == 0.0
+    assert gsm8k_lenient.compute_score("#### 72", "72", score=2.0) == 2.0
     with pytest.raises(ValueError, match="unknown gsm8k extraction method 'loose'"):
-        gsm8k.extract_solution("#### 1", "loose")
+        gsm8k_lenient.extract_solution("#### 1", "loose")
 
 
 # ---------------------------------------------------------------- MATH

@@ -23,13 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.rewards import gsm8k, math_answer, synthetic
+from hybridflow.rewards import gsm8k, gsm8k_lenient, math_answer, synthetic
 
 logger = logging.getLogger(__name__)
 
-# data_source -> fn(solution_str, ground_truth) -> float
+# data_source -> fn(solution_str, ground_truth) -> float. "openai/gsm8k" scores as verl does (strict,
+# format_score 0), so a GSM8K figure means the same in both; "gsm8k_lenient" compares numbers instead.
 BUILTIN_SCORERS: dict[str, Callable[[str, Any], float]] = {
     gsm8k.DATA_SOURCE: gsm8k.compute_score,
+    gsm8k_lenient.DATA_SOURCE: gsm8k_lenient.compute_score,
     **{source: math_answer.compute_score for source in math_answer.DATA_SOURCES},
     synthetic.DATA_SOURCE: synthetic.compute_score,
 }
