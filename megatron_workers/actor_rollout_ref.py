@@ -23,7 +23,7 @@ import torch
 from hybridflow.config.schema import ActorRolloutRefConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
-from megatron_workers.engine import agg_count, as_config, build_role_engine, init_megatron, mesh_coords
+from megatron_workers.engine import agg_count, as_config, build_role_engine, init_megatron, mesh_coords, micro_agg_mode
 from megatron_workers.offload import Offloader, make_offloader
 from megatron_workers.rollout_role import RolloutRole
 
@@ -145,6 +145,7 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
         low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
         high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
         vocab = self.actor.hf_vocab_size
+        mode, _ = micro_agg_mode(cfg.loss_agg_mode)  # token-sum: token-means scaled back by train_step
 
         def loss_fn(logits, micro):
             log_prob, entropy = response_logprobs(logits, micro, response_length, vocab, temperature)
@@ -154,9 +155,8 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
             # driver skipped the separate old-log-prob pass.
             old = log_prob.detach() if on_policy else get("old_log_probs")
             pg = compute_policy_loss(old, log_prob, get("advantages"), mask, clip_ratio_low=low,
-                                     clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c,
-                                     loss_agg_mode=cfg.loss_agg_mode)
-            entropy_agg = agg_loss(entropy, mask, cfg.loss_agg_mode)
+                                     clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode)
+            entropy_agg = agg_loss(entropy, mask, mode)
             loss = pg["pg_loss"] - cfg.entropy_coeff * entropy_agg
             metrics = {"pg_loss": pg["pg_loss"], "pg_clipfrac": pg["pg_clipfrac"], "ppo_kl": pg["ppo_kl"],
                        "pg_clipfrac_lower": pg["pg_clipfrac_lower"], "entropy": entropy_agg}
@@ -164,7 +164,7 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
                 diff = (log_prob.detach() - get("old_log_probs")).abs()
                 metrics["rollout_logprob_diff"] = (diff * mask).sum() / mask.sum().clamp(min=1)
             if cfg.use_kl_loss:
-                kl = agg_loss(kl_penalty(log_prob, get("ref_log_prob"), cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+                kl = agg_loss(kl_penalty(log_prob, get("ref_log_prob"), cfg.kl_loss_type), mask, mode)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["kl_loss"] = kl
             return loss, {k: v.detach() for k, v in metrics.items()}
@@ -194,12 +194,14 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
         on_policy = bool(data.meta_info.get("old_log_prob_from_update", False))
         loss_fn = self._policy_loss_fn(response_length, temperature, on_policy)
         count_fn = lambda micro: agg_count(micro, cfg.loss_agg_mode)
+        _, sum_loss = micro_agg_mode(cfg.loss_agg_mode)
         selected = data.select(batch_keys=keys)
         seed = int(data.meta_info.get("global_step", 0)) + self.config.actor.megatron.seed
         history: dict[str, list[float]] = {}
         with self.actor_offload.resident():
             for mb in selected.make_iterator(mini_batch, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, seed=seed):
-                metrics = self.actor.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn)
+                metrics = self.actor.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn,
+                                                sum_loss=sum_loss)
                 for k, v in metrics.items():
                     history.setdefault(k, []).append(v)
         out = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}

@@ -12,7 +12,15 @@ import torch
 from hybridflow.config.schema import CriticConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
-from megatron_workers.engine import agg_count, as_config, build_role_engine, init_megatron, mesh_coords, unpack_tokens
+from megatron_workers.engine import (
+    agg_count,
+    as_config,
+    build_role_engine,
+    init_megatron,
+    mesh_coords,
+    micro_agg_mode,
+    unpack_tokens,
+)
 from megatron_workers.heads import response_values
 from megatron_workers.offload import make_offloader
 
@@ -74,11 +82,14 @@ class CriticWorker(Worker):
                              f"size {self.dims.dp}")
         response_length = data.batch["responses"].shape[1]
 
+        mode, sum_loss = micro_agg_mode(cfg.loss_agg_mode)  # token-sum: token-means scaled back by train_step
+
         def loss_fn(output, micro):
             vpreds = packed_response_values(output, micro, response_length)
             get = lambda k: micro[k].to(vpreds.device)
-            vf_loss, clipfrac = compute_value_loss(vpreds, get("values"), get("returns"), get("response_mask"),
-                                                   cfg.cliprange_value, cfg.loss_agg_mode)
+            vf_loss, clipfrac = compute_value_loss(vpreds=vpreds, returns=get("returns"), values=get("values"),
+                                                   response_mask=get("response_mask"),
+                                                   cliprange_value=cfg.cliprange_value, loss_agg_mode=mode)
             vpred_mean = masked_mean(vpreds.detach(), get("response_mask"))
             return vf_loss, {"vf_loss": vf_loss.detach(), "vf_clipfrac": clipfrac.detach(), "vpred_mean": vpred_mean}
 
@@ -89,7 +100,8 @@ class CriticWorker(Worker):
                                                              shuffle=False, seed=seed)
         with self.offload.resident():
             for mb in batches:
-                metrics = self.engine.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn)
+                metrics = self.engine.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn,
+                                                 sum_loss=sum_loss)
                 for k, v in metrics.items():
                     history.setdefault(k, []).append(v)
         out = {f"critic/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}

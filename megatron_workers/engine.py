@@ -20,9 +20,10 @@ output plus `packed_mask` / `pack_index` in the micro-batch; `unpack_tokens`
 and `logprob.unpack_next_token` map values back to the original columns.
 
 Loss normalisation is global over the mini-batch: a micro-batch's loss is
-weighted by its share of the mini-batch's tokens (or sequences), summed over
-all micro-batches and data-parallel ranks. That makes one update with DP=d and
-m micro-batches the same as one update on the whole mini-batch in one process.
+weighted by its share of the mini-batch's tokens (or non-empty sequences),
+summed over all micro-batches and data-parallel ranks (token-sum: then times
+the global token count). That makes one update with DP=d and m micro-batches
+the same as one update on the whole mini-batch in one process.
 """
 
 from __future__ import annotations
@@ -58,13 +59,33 @@ def unpack_tokens(values: torch.Tensor, micro: dict) -> torch.Tensor:
 
 
 def agg_count(micro_batch: dict, loss_agg_mode: str, mask_key: str = "response_mask") -> torch.Tensor:
-    """The quantity a loss_agg_mode averages over: valid tokens (token-mean) or sequences (seq-mean-*)."""
+    """The quantity a loss_agg_mode averages over: valid tokens (token-*) or non-empty rows (seq-mean-*).
+
+    Non-empty rows, as verl's agg_loss: a fully masked row is left out of the seq-mean, so a
+    micro-batch's weight must not count it either (hybridflow.algorithms.masked.agg_loss).
+    """
+    from hybridflow.algorithms import LOSS_AGG_MODES, require_choice
+
+    require_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     mask = micro_batch[mask_key]
-    if loss_agg_mode == "token-mean":
-        return mask.sum().to(torch.float64)
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        return torch.tensor(float(mask.shape[0]), dtype=torch.float64)
-    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}")
+    if loss_agg_mode.startswith("token-"):
+        return mask.bool().sum().to(torch.float64)
+    return (mask.bool().sum(dim=-1) > 0).sum().to(torch.float64)
+
+
+def micro_agg_mode(loss_agg_mode: str) -> tuple[str, bool]:
+    """(the mode each micro-batch's loss aggregates with, whether train_step must scale the mean back to a sum).
+
+    token-sum over the mini-batch = its valid-token count x the token-mean over it. So the
+    micro-batches compute token-means (their metrics stay per-token numbers) and train_step,
+    with sum_loss=True, multiplies the token-weighted mean by the global token count. Every
+    other mode is a mean, computed per micro-batch as it is.
+    """
+    from hybridflow.algorithms import SUM_LOSS_AGG_MODES
+
+    if loss_agg_mode in SUM_LOSS_AGG_MODES:
+        return "token-mean", True
+    return loss_agg_mode, False
 
 
 def split_micro_batches(batch: dict, micro_batch_size: int) -> list[dict]:
@@ -195,12 +216,14 @@ class MegatronEngine:
         return self._broadcast_from_last_stage(result)
 
     def train_step(self, batch: dict, micro_batch_size: int, loss_fn: LossFn,
-                   count_fn: Callable[[dict], torch.Tensor]) -> dict[str, float]:
+                   count_fn: Callable[[dict], torch.Tensor], sum_loss: bool = False) -> dict[str, float]:
         """One optimizer update on this rank's share of a mini-batch.
 
         loss_fn(output, micro) -> (loss, metrics): the micro-batch's loss, aggregated over the
         micro-batch the way count_fn counts (see agg_count), and scalar metrics aggregated the same way.
-        Returns the mini-batch metrics (weighted exactly like the loss, over all DP ranks), plus
+        sum_loss: the loss to optimise is the sum, not the mean, over the counted units (token-sum,
+        see micro_agg_mode); the gradient is scaled by the global count, the metrics stay means.
+        Returns the mini-batch metrics (weighted like the loss's mean, over all DP ranks), plus
         `grad_norm` and `lr` (the lr this update used). Same dict on every rank.
         """
         if self.optimizer is None:
@@ -217,6 +240,7 @@ class MegatronEngine:
         total = torch.stack([count_fn(m) for m in micro_batches]).sum().to(torch.float64)
         dist.all_reduce(total, group=self.dp_group)
         total = total.clamp(min=1.0)
+        loss_scale = float(total) if sum_loss else 1.0
         sums: dict[str, torch.Tensor] = {}
 
         def make_loss(micro, output):
@@ -227,7 +251,7 @@ class MegatronEngine:
                 value = (torch.as_tensor(v).detach().to(torch.float64) * weight.double()).cpu()
                 sums[k] = sums.get(k, 0.0) + value
             # Undo the schedule's 1/num_microbatches and DDP's 1/dp average: the weights already sum to 1.
-            return loss * weight * (num_micro * self.dp_size), {}
+            return loss * weight * (num_micro * self.dp_size * loss_scale), {}
 
         for chunk in self.model:
             chunk.train()

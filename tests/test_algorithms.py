@@ -280,7 +280,8 @@ def test_value_loss_clipping():
     vpreds = T([[1.0, 0.2, 2.0, -1.0, 30.0]])
     returns = T([[1.0, 1.0, 0.0, -1.0, -30.0]])
     mask = T([[1, 1, 1, 1, 0]])
-    vf_loss, clipfrac = compute_value_loss(vpreds, values, returns, mask, cliprange_value=0.5)
+    vf_loss, clipfrac = compute_value_loss(vpreds=vpreds, returns=returns, values=values, response_mask=mask,
+                                           cliprange_value=0.5)
     close(vf_loss, 0.8925)
     close(clipfrac, 0.5)
 
@@ -352,9 +353,11 @@ def test_invalid_names_list_the_valid_choices():
         get_adv_estimator("grop")
     with pytest.raises(ValueError, match="valid: gae, grpo"):
         needs_critic("ppo")
-    with pytest.raises(ValueError, match="'token_mean'; valid: token-mean, seq-mean-token-sum, seq-mean-token-mean"):
+    with pytest.raises(ValueError, match="loss_agg_mode='token_mean' \\(did you mean 'token-mean'\\?\\); valid: "
+                                         "token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, "
+                                         "seq-mean-token-sum-norm"):
         agg_loss(LOSS, LOSS_MASK, "token_mean")
-    with pytest.raises(ValueError, match="'full'.*valid: kl, k1, abs, mse, k2, low_var_kl, k3"):
+    with pytest.raises(ValueError, match="'full'.*not supported.*valid: kl, k1, abs, mse, k2, low_var_kl, k3, kl\\+"):
         kl_penalty(KL_LOGP, KL_REF, "full")
     with pytest.raises(ValueError, match="'pid'; valid: fixed, adaptive"):
         make_kl_controller(KLCtrlConfig(type="pid"))

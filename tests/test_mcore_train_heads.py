@@ -82,7 +82,8 @@ def test_values_scores_and_critic_grad_match_reference(run):
     assert ((result["rm_scores"] != 0).sum(dim=1) == 1).all()
 
     data = critic_inputs(batch)
-    vf_loss, clipfrac = compute_value_loss(values, data["values"], data["returns"], mask, 0.5, "token-mean")
+    vf_loss, clipfrac = compute_value_loss(vpreds=values, returns=data["returns"], values=data["values"],
+                                           response_mask=mask, cliprange_value=0.5, loss_agg_mode="token-mean")
     vf_loss.backward()
     grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in [*body.parameters(), head])).item()
     metrics = result["metrics"]

@@ -70,3 +70,30 @@ def test_single_process_update_matches_hf_and_adamw(runs, tiny):
     before = hf_state(tiny)
     assert _max_param_diff(before, single["params"]) > 5e-4
     assert _max_param_diff(ref["params"], single["params"]) < 1e-5
+
+
+# DP=2, two micro-batches of 2 rows per rank: rows 2 and 3 (rank 0's second micro-batch) are filtered
+# samples (response_mask all 0), so one micro-batch has nothing to count.
+DROP_ROWS = (2, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["token-sum", "seq-mean-token-sum-norm"])
+def test_verl_loss_agg_modes_through_the_actor_update_match_the_whole_batch_loss(mode, tiny, tmp_path):
+    """The engine's micro-batch/DP weighting recombines verl's agg_loss over the whole batch exactly.
+
+    seq-mean-token-sum-norm divides by the 6 non-empty rows (verl), not 8; token-sum is a sum, which
+    the engine gets as (global token count) x token-mean. HF + AdamW optimises agg_loss(mode) on all 8
+    rows at once.
+    """
+    out = tmp_path / "dp2.pt"
+    run_torchrun("train_ppo_step.py", 2, ["--model", str(tiny), "--out", str(out), "--loss-agg-mode", mode,
+                                          "--drop-rows", ",".join(map(str, DROP_ROWS))])
+    dp2 = torch.load(out)
+    ref = hf_ppo_update(tiny, dp2, loss_agg_mode=mode, drop_rows=DROP_ROWS)
+    assert ref["loss_mask"][list(DROP_ROWS)].sum() == 0 and ref["loss_mask"].sum() > 0
+    assert dp2["metrics"]["actor/grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    # token-sum reports the per-token mean of the pg loss it sums (the sum depends on the batch size)
+    expected_pg = ref["pg_loss"] / ref["loss_mask"].sum().item() if mode == "token-sum" else ref["pg_loss"]
+    assert dp2["metrics"]["actor/pg_loss"] == pytest.approx(expected_pg, rel=1e-5)
+    assert _max_param_diff(ref["params"], dp2["params"]) < 1e-5

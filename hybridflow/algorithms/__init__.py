@@ -12,16 +12,19 @@ from hybridflow.algorithms.advantages import (
     get_adv_estimator,
     needs_critic,
 )
+from hybridflow.algorithms.choices import require_choice
 from hybridflow.algorithms.kl import (
     KL_KINDS,
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
+    check_kl_kind,
     kl_penalty,
     make_kl_controller,
 )
 from hybridflow.algorithms.masked import (
     LOSS_AGG_MODES,
+    SUM_LOSS_AGG_MODES,
     agg_loss,
     masked_mean,
     masked_sum,
@@ -35,10 +38,12 @@ __all__ = [
     "ADV_ESTIMATORS",
     "KL_KINDS",
     "LOSS_AGG_MODES",
+    "SUM_LOSS_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
     "apply_kl_penalty",
+    "check_kl_kind",
     "compute_advantage",
     "compute_gae",
     "compute_grpo",
@@ -57,4 +62,5 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "needs_critic",
+    "require_choice",
 ]

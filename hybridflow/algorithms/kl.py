@@ -6,43 +6,63 @@ sampled from pi, with d = log_prob - ref_log_prob:
   "abs":              |d|
   k2 ("mse"):         0.5 * d^2                biased, low variance
   k3 ("low_var_kl"):  exp(-d) - 1 + d          unbiased, always >= 0
+A "+" suffix ("k3+", "low_var_kl+", "k1+", ...) is verl's straight-through variant: the
+forward value of the named estimator with the gradient of k2. The k1 and k3 values are
+unbiased estimates of the KL, but their gradients are not unbiased estimates of the KL's
+gradient; k2's gradient is (E_pi[d * grad log pi] = grad KL). "k2+" / "mse+" equal k2.
+verl also names "full" (exact KL over the vocabulary) and raises NotImplementedError for it;
+it needs full-vocabulary log-probs, so it is rejected here with a clear error.
 """
 
 from __future__ import annotations
 
-import difflib
-
 import numpy as np
 import torch
 
+from hybridflow.algorithms.choices import require_choice
 from hybridflow.algorithms.masked import masked_mean, require_same_shape
 from hybridflow.config.schema import KLCtrlConfig
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# verl's names (verl/trainer/ppo/core_algos.py, kl_penalty / kl_penalty_forward).
+_KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_KINDS = _KL_ESTIMATORS + tuple(f"{k}+" for k in _KL_ESTIMATORS)
 KL_CTRL_TYPES = ("fixed", "adaptive")
 
 # k3 of a token whose log-ratio is far off is exp(huge); clamping keeps one bad token
-# from dominating the batch (the customary bound).
+# from dominating the batch (verl's bounds: the log-ratio to +-20, k3 itself to +-10).
 _K3_LOG_RATIO_CLAMP = 20.0
 _K3_CLAMP = 10.0
 
 
-def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate; same shape as the inputs."""
-    require_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
-    d = log_prob - ref_log_prob
+def check_kl_kind(key: str, kind: str) -> None:
+    """ValueError naming `key` unless `kind` is one of KL_KINDS."""
+    if kind.removesuffix("+") == "full":
+        raise ValueError(f"{key}={kind!r}: the exact (full-vocabulary) KL needs every token's log-prob and is not "
+                         f"supported (verl raises NotImplementedError for it); valid: {', '.join(KL_KINDS)}")
+    require_choice(key, kind, KL_KINDS)
+
+
+def _estimate(d: torch.Tensor, kind: str) -> torch.Tensor:
     if kind in ("kl", "k1"):
         return d
     if kind == "abs":
         return d.abs()
     if kind in ("mse", "k2"):
         return 0.5 * d.square()
-    if kind in ("low_var_kl", "k3"):
-        neg = (-d).clamp(-_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)
-        return (torch.exp(neg) - neg - 1.0).clamp(-_K3_CLAMP, _K3_CLAMP)
-    close = difflib.get_close_matches(kind, KL_KINDS, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"unknown kl penalty kind {kind!r}{hint} valid: {', '.join(KL_KINDS)}")
+    neg = (-d).clamp(-_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)  # low_var_kl / k3
+    return (torch.exp(neg) - neg - 1.0).clamp(-_K3_CLAMP, _K3_CLAMP)
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate; same shape as the inputs. See the module docstring for `kind`."""
+    require_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
+    check_kl_kind("kl penalty kind", kind)
+    d = log_prob - ref_log_prob
+    value = _estimate(d, kind.removesuffix("+"))
+    if not kind.endswith("+"):
+        return value
+    k2 = 0.5 * d.square()
+    return k2 - k2.detach() + value.detach()  # value of `value`, gradient of k2
 
 
 class FixedKLController:

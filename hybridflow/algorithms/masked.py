@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+from hybridflow.algorithms.choices import require_choice
+
+# verl's names (verl/trainer/ppo/core_algos.py, agg_loss). token-sum is the only one that is a sum
+# over the batch rather than a mean; the engine needs to know (megatron_workers/engine.py, agg_count).
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+SUM_LOSS_AGG_MODES = ("token-sum",)
 
 
 def require_same_shape(**tensors: torch.Tensor) -> None:
@@ -62,18 +67,44 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return torch.where(_valid(mask), whitened, torch.zeros_like(whitened))
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar.
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
+             loss_scale_factor: float | None = None) -> torch.Tensor:
+    """Reduce a per-token loss (B, T) to a scalar, the way verl's agg_loss does on one whole batch.
 
-    token-mean: every valid token weighs the same (long responses weigh more).
-    seq-mean-token-sum: sum per sequence, then mean over sequences.
-    seq-mean-token-mean: mean per sequence, then mean over sequences (every sequence weighs the same).
+    loss_scale_factor is keyword-only: verl's 4th positional argument is dp_size. (The DP and
+    micro-batch share of the global normaliser is applied by megatron_workers/engine.py instead.)
+
+    With s_i = sum of row i's valid tokens, n_i its valid-token count, N = sum n_i and
+    E = the rows with n_i > 0:
+      token-mean:              sum_i s_i / N            (every valid token weighs the same)
+      token-sum:               sum_i s_i                (no normaliser: scales with batch and length)
+      seq-mean-token-sum:      sum_{i in E} s_i / |E|
+      seq-mean-token-mean:     sum_{i in E} (s_i / n_i) / |E|   (every sequence weighs the same)
+      seq-mean-token-sum-norm: sum_{i in E} s_i / |E| / loss_scale_factor
+    The seq-mean modes average over non-empty rows only, as verl does: a fully masked row
+    (padding, a filtered sample) neither adds to the numerator nor dilutes the mean.
+    seq-mean-token-sum-norm is Dr. GRPO's constant normaliser: verl divides by
+    `loss_scale_factor`, which defaults to the horizon T = loss_mask.shape[-1] (our responses
+    are always padded to rollout.response_length, so T is constant over a run).
+    Where verl divides 0 by 0 (no valid token / no non-empty row at all) this returns 0, not NaN.
+    verl's seq-mean-token-mean divides by n_i + 1e-8; for n_i >= 1 that is the same fp32 number.
     """
     require_same_shape(loss_mat=loss_mat, response_mask=mask)
+    require_choice("loss_agg_mode", mode, LOSS_AGG_MODES)
     if mode == "token-mean":
         return masked_mean(loss_mat, mask)
-    if mode == "seq-mean-token-sum":
-        return masked_sum(loss_mat, mask, dim=-1).mean()
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)
+    counts = masked_count(mask, dim=-1)
+    rows = (counts > 0).sum().to(loss_mat.dtype).clamp(min=1)
     if mode == "seq-mean-token-mean":
-        return masked_mean(loss_mat, mask, dim=-1).mean()
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+        per_row = masked_sum(loss_mat, mask, dim=-1) / counts.to(loss_mat.dtype).clamp(min=1)
+    else:
+        per_row = masked_sum(loss_mat, mask, dim=-1)
+    loss = per_row.sum() / rows  # empty rows contribute 0 to the sum and nothing to `rows`
+    if mode == "seq-mean-token-sum-norm":
+        scale = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        if not scale > 0:
+            raise ValueError(f"loss_scale_factor must be > 0, got {scale}")
+        loss = loss / scale
+    return loss

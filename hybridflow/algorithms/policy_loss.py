@@ -23,12 +23,20 @@ def compute_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
+    *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Returns pg_loss (differentiable scalar) and detached metrics.
+
+    The four tensors come in verl's order (old_log_prob, log_prob, advantages, response_mask);
+    everything after them is keyword-only, because verl's 5th positional argument is a
+    symmetric `cliprange` (deprecated compute_policy_loss) or `loss_agg_mode`
+    (compute_policy_loss_vanilla), and a positional call written for either would silently
+    mean something else here. loss_scale_factor: see masked.agg_loss (seq-mean-token-sum-norm).
 
     pg_clipfrac: fraction of valid tokens where the ratio clip chose the loss.
     pg_clipfrac_lower: fraction where the dual clip (A < 0, large ratio) chose it.
@@ -52,7 +60,7 @@ def compute_policy_loss(
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(clipped, dual), clipped)
 
-    pg_loss = agg_loss(per_token, response_mask, loss_agg_mode)
+    pg_loss = agg_loss(per_token, response_mask, loss_agg_mode, loss_scale_factor=loss_scale_factor)
     with torch.no_grad():
         clipfrac = masked_mean((ratio_clipped > unclipped).to(per_token.dtype), response_mask)
         clipfrac_lower = masked_mean((negative & (clipped > dual)).to(per_token.dtype), response_mask)
@@ -65,6 +73,7 @@ def compute_policy_loss(
     }
 
 
-def entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean", *,
+                 loss_scale_factor: float | None = None) -> torch.Tensor:
     """Aggregate per-token entropy the same way as the policy loss (the actor subtracts coeff * this)."""
-    return agg_loss(entropy, response_mask, mode)
+    return agg_loss(entropy, response_mask, mode, loss_scale_factor=loss_scale_factor)

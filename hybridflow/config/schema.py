@@ -54,11 +54,11 @@ class ActorConfig:
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    loss_agg_mode: str = "token-mean"  # hybridflow.algorithms.LOSS_AGG_MODES (verl's agg_loss modes)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"  # kl(k1) | abs | mse(k2) | low_var_kl(k3)
+    kl_loss_type: str = "low_var_kl"  # kl(k1) | abs | mse(k2) | low_var_kl(k3); "+" suffix (k3+): k2 gradient
 
 
 @dataclass
@@ -119,7 +119,7 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: int = 4
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = "token-mean"  # as actor.loss_agg_mode
 
 
 @dataclass
@@ -157,7 +157,7 @@ class AlgorithmConfig:
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"  # kl | abs | mse | low_var_kl
+    kl_penalty: str = "kl"  # hybridflow.algorithms.KL_KINDS, as actor.kl_loss_type
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
 
 

@@ -62,6 +62,7 @@ def validate(cfg: HybridFlowConfig) -> None:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"data.train_files: {f} does not exist")
     get_adv_estimator(cfg.algorithm.adv_estimator)
+    _validate_loss_names(cfg)
     from hybridflow.rollout.base import ENGINES
 
     if a.rollout.name not in ENGINES:
@@ -92,6 +93,18 @@ def validate(cfg: HybridFlowConfig) -> None:
                          f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
     _validate_reward_model(cfg, world, actor_hf)
     _validate_validation(cfg)
+
+
+def _validate_loss_names(cfg: HybridFlowConfig) -> None:
+    """Loss aggregation and KL estimator names, against the lists the loss code itself uses."""
+    from hybridflow.algorithms import LOSS_AGG_MODES, check_kl_kind, require_choice
+
+    actor = cfg.actor_rollout_ref.actor
+    require_choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    require_choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
+    # Checked even when unused (use_kl_loss / use_kl_in_reward off): a typo should not wait for the flag.
+    check_kl_kind("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)
+    check_kl_kind("algorithm.kl_penalty", cfg.algorithm.kl_penalty)
 
 
 def wants_validation(cfg: HybridFlowConfig) -> bool:

@@ -41,9 +41,15 @@ def make_rl_batch(vocab: int, seed: int = 0, batch: int = 8, prompt_len: int = 6
     }
 
 
-def ppo_inputs(batch: dict, old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, seed: int = 1) -> dict:
-    """Add advantages and an off-policy `old_log_probs` (perturbed, so the PPO clip and dual clip both act)."""
+def ppo_inputs(batch: dict, old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, seed: int = 1,
+               drop_rows: tuple[int, ...] = ()) -> dict:
+    """Add advantages and an off-policy `old_log_probs` (perturbed, so the PPO clip and dual clip both act).
+
+    drop_rows: rows whose response_mask is zeroed (filtered samples: attended to, never in the loss).
+    """
     g = torch.Generator().manual_seed(seed)
+    batch = {**batch, "response_mask": batch["response_mask"].clone()}
+    batch["response_mask"][list(drop_rows)] = 0
     mask = batch["response_mask"].float()
     noise = 0.4 * torch.randn(old_log_probs.shape, generator=g)
     advantages = torch.randn(old_log_probs.shape, generator=g) * mask
@@ -52,14 +58,15 @@ def ppo_inputs(batch: dict, old_log_probs: torch.Tensor, ref_log_prob: torch.Ten
 
 
 def actor_config(model_dir, tp: int = 1, pp: int = 1, sp: bool = False, lr: float = 1e-3, mini_batch: int = 8,
-                 micro_batch: int = 2, dist_opt: bool = True, **optim) -> dict:
+                 micro_batch: int = 2, dist_opt: bool = True, loss_agg_mode: str = "token-mean", **optim) -> dict:
     megatron = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "sequence_parallel": sp,
                 "use_distributed_optimizer": dist_opt, "seed": 7}
     return {
         "model": {"path": str(model_dir), "dtype": "float32"},
         "actor": {"megatron": megatron, "optim": {"lr": lr, "clip_grad": 1.0, "weight_decay": 0.01, **optim},
                   "ppo_mini_batch_size": mini_batch, "ppo_micro_batch_size_per_gpu": micro_batch,
-                  "entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl"},
+                  "entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl",
+                  "loss_agg_mode": loss_agg_mode},
         "ref": {"megatron": megatron, "log_prob_micro_batch_size_per_gpu": 4},
         "rollout": {"n": 1, "log_prob_micro_batch_size_per_gpu": 4},
     }
@@ -93,8 +100,10 @@ def hf_state(hf_dir) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_ppo_update(model_dir, result: dict, lr=1e-3, clip=1.0, wd=0.01, entropy_coeff=0.01, kl_coef=0.1):
-    """The same update in plain PyTorch: HF forward, full-vocab log-softmax, AdamW (no decay on 1-D params)."""
+def hf_ppo_update(model_dir, result: dict, lr=1e-3, clip=1.0, wd=0.01, entropy_coeff=0.01, kl_coef=0.1,
+                  loss_agg_mode="token-mean", drop_rows: tuple[int, ...] = ()):
+    """The same update in plain PyTorch on the whole batch at once: HF forward, full-vocab log-softmax,
+    AdamW (no decay on 1-D params); the loss aggregated by agg_loss(loss_agg_mode) over all rows."""
     from transformers import AutoModelForCausalLM
 
     from hybridflow.algorithms import agg_loss, compute_policy_loss, kl_penalty
@@ -107,11 +116,12 @@ def hf_ppo_update(model_dir, result: dict, lr=1e-3, clip=1.0, wd=0.01, entropy_c
     logp = torch.log_softmax(logits.float(), dim=-1)
     log_prob = logp.gather(-1, batch["input_ids"][:, 1:, None])[..., 0][:, -r:]
     entropy = -(logp.exp() * logp).sum(-1)[:, -r:]
-    data = ppo_inputs(batch, result["old_log_probs"], result["ref_log_prob"])
-    mask = batch["response_mask"]
-    pg = compute_policy_loss(data["old_log_probs"], log_prob, data["advantages"], mask, 0.2, 0.2, 3.0, "token-mean")
-    kl = agg_loss(kl_penalty(log_prob, data["ref_log_prob"], "low_var_kl"), mask, "token-mean")
-    loss = pg["pg_loss"] - entropy_coeff * agg_loss(entropy, mask, "token-mean") + kl_coef * kl
+    data = ppo_inputs(batch, result["old_log_probs"], result["ref_log_prob"], drop_rows=drop_rows)
+    mask, mode = data["response_mask"], loss_agg_mode
+    pg = compute_policy_loss(data["old_log_probs"], log_prob, data["advantages"], mask, clip_ratio_low=0.2,
+                             clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode=mode)
+    kl = agg_loss(kl_penalty(log_prob, data["ref_log_prob"], "low_var_kl"), mask, mode)
+    loss = pg["pg_loss"] - entropy_coeff * agg_loss(entropy, mask, mode) + kl_coef * kl
     loss.backward()
     params = list(model.parameters())
     grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)).item()
@@ -122,5 +132,6 @@ def hf_ppo_update(model_dir, result: dict, lr=1e-3, clip=1.0, wd=0.01, entropy_c
     groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": wd},
               {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
     torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8).step()
-    return {"log_prob": log_prob.detach(), "entropy": entropy.detach(), "mask": mask, "grad_norm": grad_norm,
+    return {"log_prob": log_prob.detach(), "entropy": entropy.detach(), "mask": batch["response_mask"],
+            "loss_mask": mask, "grad_norm": grad_norm,
             "pg_loss": pg["pg_loss"].item(), "params": {k: v.detach() for k, v in model.state_dict().items()}}

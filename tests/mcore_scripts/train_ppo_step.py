@@ -21,12 +21,16 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--loss-agg-mode", default="token-mean")
+    ap.add_argument("--drop-rows", default="", help="comma-separated rows whose response_mask is zeroed")
     args = ap.parse_args()
+    drop_rows = tuple(int(r) for r in args.drop_rows.split(",") if r)
 
     from hybridflow.protocol import DataProto
     from megatron_workers.actor_rollout_ref import ActorRolloutRefWorker
 
-    worker = ActorRolloutRefWorker(actor_config(args.model, args.tp, args.pp, args.sp), role="actor_ref")
+    worker = ActorRolloutRefWorker(actor_config(args.model, args.tp, args.pp, args.sp,
+                                                loss_agg_mode=args.loss_agg_mode), role="actor_ref")
     worker.init_model()
     coords = worker.get_mesh_coords("actor")
     vocab = json.load(open(f"{args.model}/config.json"))["vocab_size"]
@@ -34,8 +38,8 @@ def main() -> None:
     full = DataProto.from_dict(batch, meta_info={"temperature": 1.0})
     old = worker.compute_log_prob(full)
     ref = worker.compute_ref_log_prob(full)
-    train = DataProto.from_dict(ppo_inputs(batch, old.batch["old_log_probs"], ref.batch["ref_log_prob"]),
-                                meta_info={"temperature": 1.0})
+    train = DataProto.from_dict(ppo_inputs(batch, old.batch["old_log_probs"], ref.batch["ref_log_prob"],
+                                           drop_rows=drop_rows), meta_info={"temperature": 1.0})
     shard = train.chunk(coords.dp_size)[coords.dp_rank]
     metrics = worker.update_actor(shard).meta_info["metrics"]
     worker.export_hf(f"{args.out}.hf")
