@@ -130,14 +130,28 @@ def saved_layout(mcore_dir: Path) -> dict | None:
     return read(mcore_dir)
 
 
-def mcore_dtype(mcore_dir: Path) -> str:
-    """The dtype of the model tensors in a dist checkpoint (torch_dist metadata; no tensor is read)."""
+def check_mcore_against_config(mcore_dir: Path, hf_config: dict, cfg_dir: Path) -> str:
+    """Check the dist checkpoint holds this config's model (torch_dist metadata; no tensor is read).
+
+    Returns the dtype of its model tensors. Catches a wrong --hf-config before any process starts
+    (megatron stores the layers stacked: (num_layers, ...) per parameter).
+    """
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(str(mcore_dir)).read_metadata().state_dict_metadata
-    if _EMBEDDING_KEY not in meta:
-        raise ConvertError(f"{mcore_dir}: the checkpoint has no {_EMBEDDING_KEY!r} (model keys: "
-                           f"{sorted(k for k in meta if not k.startswith('optimizer.'))[:5]} ...)")
+    f = read_hf_facts(hf_config)
+    qkv_rows = (f.num_heads + 2 * f.num_kv_heads) * f.head_dim
+    expected = {_EMBEDDING_KEY: (None, f.hidden_size),
+                "decoder.layers.self_attention.linear_qkv.weight": (f.num_layers, qkv_rows, f.hidden_size),
+                "decoder.layers.mlp.linear_fc1.weight": (f.num_layers, 2 * f.ffn_hidden_size, f.hidden_size)}
+    for key, shape in expected.items():
+        if key not in meta:
+            raise ConvertError(f"{mcore_dir}: the checkpoint has no {key!r} (model keys: "
+                               f"{sorted(k for k in meta if not k.startswith('optimizer.'))[:5]} ...)")
+        have = tuple(meta[key].size)
+        if len(have) != len(shape) or any(e is not None and e != h for e, h in zip(shape, have)):
+            raise ConvertError(f"{mcore_dir}: {key} has global shape {have}, {cfg_dir / 'config.json'} implies "
+                               f"{tuple('*' if e is None else e for e in shape)}: is --hf-config the right model?")
     return str(meta[_EMBEDDING_KEY].properties.dtype).removeprefix("torch.")
 
 
@@ -168,7 +182,7 @@ def _plan_from_mcore(command: str, mcore: str, out: str, tp: int | None, pp: int
     cfg = hf_io.read_hf_config(cfg_dir)
     _check_layout(cfg, tp, pp, world, cfg_dir)
     _check_out(out_dir)
-    dtype = mcore_dtype(src)
+    dtype = check_mcore_against_config(src, cfg, cfg_dir)
     tok_dir = Path(tokenizer) if tokenizer else cfg_dir
     if not tok_dir.is_dir():
         raise ConvertError(f"--tokenizer {tok_dir}: no such directory")
@@ -223,6 +237,12 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
+def _config_with_dtype(hf_config: dict, dtype: str) -> dict:
+    """config.json as given, but naming the dtype the exported tensors are in (vLLM's dtype="auto" reads it)."""
+    keys = [k for k in ("dtype", "torch_dtype") if k in hf_config] or ["dtype"]
+    return {**hf_config, **dict.fromkeys(keys, dtype)}
+
+
 def _copy_hf_side(src_cfg: Path, src_tok: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for name in _HF_SIDE_FILES:
@@ -259,7 +279,8 @@ def run(job: Job) -> dict:
         seconds["read"] = time.perf_counter() - t
         t = time.perf_counter()
         if job.command == "mcore-to-hf":
-            hf_io.export_mcore_to_hf(model, job.hf_config, job.out, tokenizer_dir=job.tokenizer_dir)
+            hf_io.export_mcore_to_hf(model, _config_with_dtype(job.hf_config, job.dtype), job.out,
+                                     tokenizer_dir=job.tokenizer_dir)
         else:
             save_checkpoint(job.out, [model], extra={"converted_from": str(job.source)})
         seconds["write"] = time.perf_counter() - t

@@ -281,3 +281,12 @@ def test_export_without_a_complete_checkpoint(tmp_path):
     _fails(export.main, [str(run), "--out", str(tmp_path / "hf")], str(run), "no complete checkpoint", "COMPLETE")
     _fails(export.main, [str(run / "checkpoints" / "global_step_1"), "--out", str(tmp_path / "hf")],
            "global_step_1", "incomplete checkpoint")
+
+
+@pytest.mark.slow
+@pytest.mark.bad_input
+def test_mcore_to_hf_with_the_wrong_hf_config(tmp_path, models, converted):
+    mcore = converted["root"] / "llama_tp2"  # a Llama checkpoint read with the Qwen2's config
+    _fails(convert.main, ["mcore-to-hf", "--mcore", str(mcore), "--out", str(tmp_path / "o"),
+                          "--hf-config", str(models["qwen2"])],
+           "decoder.layers.self_attention.linear_qkv.weight", "(2, 256, 64)", str(models["qwen2"] / "config.json"))

@@ -127,7 +127,9 @@ def plan_export(path, out, tp: int | None = None, pp: int | None = None, hf_conf
         plan_mcore_to_hf(str(actor), str(out), tp, pp, str(cfg_dir), str(tok_dir), world_size=tp * pp)
     except ConvertError as e:
         raise ExportError(str(e)) from e
-    return ExportPlan(step, step_dir, actor, Path(cfg_dir), Path(tok_dir), tp, pp, out)
+    # absolute: torchrun's processes must find them whatever their working directory
+    return ExportPlan(step, step_dir.resolve(), actor.resolve(), Path(cfg_dir).resolve(), Path(tok_dir).resolve(),
+                      tp, pp, out.resolve())
 
 
 def _saved_layout(actor: Path) -> dict | None:
@@ -141,7 +143,7 @@ def run_export(plan: ExportPlan, timeout_s: float = 900.0) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     t = time.perf_counter()
-    proc = subprocess.run(plan.command(), env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    proc = subprocess.run(plan.command(), env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         tail = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines() if "warn" not in ln.lower())
         raise RuntimeError(f"export of {plan.actor_dir} failed (rc={proc.returncode}):\n{tail[-4000:]}")
