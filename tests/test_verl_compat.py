@@ -294,3 +294,18 @@ def test_engine_memory_kwargs_rule():
     assert kwargs == {"kv_cache_memory_bytes": 256 * 2**20}
     assert "gpu_memory_utilization=0.6 is a GPU memory fraction, not used on CPU" in note and "256 MiB" in note
     assert engine_memory_kwargs(0.5, 512 * 2**20, on_gpu=False)[0] == {"kv_cache_memory_bytes": 512 * 2**20}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU notes")
+def test_gpu_only_knobs_say_so_on_cpu(local, caplog):
+    from hybridflow.trainer.main import validate
+
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={local['model']}", f"data.train_files=[{local['data']}]",
+                             "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+                             "actor_rollout_ref.actor.megatron.param_offload=True"])
+    with caplog.at_level(logging.INFO, logger="hybridflow"):
+        validate(cfg)
+    text = caplog.text
+    assert text.count("gpu_memory_utilization=0.4 is a GPU memory fraction, not used on CPU") == 1
+    assert "kv_cache_memory_bytes=268435456 (256 MiB)" in text
+    assert "actor_rollout_ref.actor.megatron.param_offload: no CUDA" in text

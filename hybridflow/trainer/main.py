@@ -98,11 +98,23 @@ def validate(cfg: HybridFlowConfig) -> None:
 def _validate_verl_shared_keys(cfg: HybridFlowConfig) -> None:
     """Keys shared with verl whose values need a check here (after critic.enable is resolved): the rollout's
     memory, data.truncation, trainer.critic_warmup, and context parallelism (not supported yet)."""
+    import torch
+
     from hybridflow.data.rl_dataset import TRUNCATIONS
     from hybridflow.rollout.vllm_launch import engine_memory_kwargs
 
     r = cfg.actor_rollout_ref.rollout
-    engine_memory_kwargs(r.gpu_memory_utilization, r.kv_cache_memory_bytes, on_gpu=True)  # raises on a bad value
+    on_gpu = torch.cuda.is_available()  # the driver's view, as for perf/mfu's device peak
+    _, note = engine_memory_kwargs(r.gpu_memory_utilization, r.kv_cache_memory_bytes, on_gpu)  # raises if bad
+    if note and r.name == "vllm":
+        log.info("%s", note)  # here, once: the workers' own info lines do not reach the driver's console
+    offloads = [f"{role}.megatron.{flag}" for role, m in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor),
+                                                          ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref),
+                                                          ("critic", cfg.critic), ("reward_model", cfg.reward_model))
+                for flag in ("param_offload", "grad_offload", "optimizer_offload") if getattr(m.megatron, flag)]
+    if offloads and not on_gpu:
+        log.info("%s: no CUDA, the models already live in host memory, so offload moves nothing (a no-op on CPU)",
+                 ", ".join(offloads))
     if cfg.data.truncation not in TRUNCATIONS:
         raise ValueError(f"data.truncation={cfg.data.truncation!r}; choose one of {', '.join(TRUNCATIONS)}")
     warmup = cfg.trainer.critic_warmup
