@@ -79,8 +79,9 @@ def test_verl_gsm8k_parquet_loads_as_is(tmp_path, tok, caplog):
         assert item["ability"] == "math" and item["index"] == i
     assert {item["ground_truth"] for item in ds} == {"10", "1200"}
 
-    unfiltered = RLDataset([str(path)], tok, max_prompt_length=limit, filter_overlong_prompts=False)
-    assert len(unfiltered) == 3 and unfiltered.num_filtered == 0
+    # not filtered: kept, and cut by data.truncation (its default, error, refuses: see the truncation tests)
+    unfiltered = RLDataset([str(path)], tok, max_prompt_length=limit, filter_overlong_prompts=False, truncation="right")
+    assert len(unfiltered) == 3 and unfiltered.num_filtered == 0 and unfiltered.num_truncated == 1
 
 
 def test_index_runs_across_files_and_plain_prompts(tmp_path, tok):
@@ -221,3 +222,59 @@ def test_collate_from_dataset_round_trip(tmp_path, tok):
         assert tok.decode(ids) == tok.apply_chat_template(ds[i]["raw_prompt"], add_generation_prompt=True,
                                                           tokenize=False)
     np.testing.assert_array_equal(non_tensors["ground_truth"], [ds[i]["ground_truth"] for i in range(4)])
+
+
+# ---------------------------------------------------------------- data.truncation (verl's over-long prompt modes)
+
+def _gsm8k_expected_ids(tok, row):
+    """Independent reference: chat template = bos, <|user|>, one id per character, eos, <|assistant|>."""
+    return [tok.bos_token_id, tok.convert_tokens_to_ids("<|user|>"), *char_ids(tok, row["prompt"][0]["content"]),
+            tok.eos_token_id, tok.convert_tokens_to_ids("<|assistant|>")]
+
+
+@pytest.mark.parametrize("mode", ["left", "right", "middle"])
+def test_truncation_modes_cut_overlong_prompts_like_verl(tmp_path, tok, caplog, mode):
+    path = tmp_path / "train.parquet"
+    rows = write_verl_gsm8k(path)
+    full = [_gsm8k_expected_ids(tok, r) for r in rows]
+    limit = 41  # odd, below every prompt's length: middle keeps 20 + 21
+    assert all(len(ids) > limit for ids in full)
+    ds = RLDataset([str(path)], tok, max_prompt_length=limit, filter_overlong_prompts=False, truncation=mode)
+    assert len(ds) == 3 and ds.num_filtered == 0 and ds.num_truncated == 3
+    assert f"truncated 3 of 3 prompts to max_prompt_length=41 tokens (data.truncation={mode}" in caplog.text
+    for item, ids in zip(ds, full):
+        want = {"left": ids[-41:], "right": ids[:41], "middle": ids[:20] + ids[-21:]}[mode]
+        assert item["input_ids"] == want and len(want) == 41
+    if mode == "left":  # the generation prompt survives: the model still answers as the assistant
+        assert all(item["input_ids"][-1] == tok.convert_tokens_to_ids("<|assistant|>") for item in ds)
+    tensors, _ = collate([ds[0], ds[1]], tok.pad_token_id, limit)
+    assert tensors["attention_mask"].sum().item() == 82
+
+
+def test_filtering_comes_before_truncation_and_short_prompts_are_untouched(tmp_path, tok):
+    path = tmp_path / "train.parquet"
+    rows = write_verl_gsm8k(path)
+    lengths = [len(_gsm8k_expected_ids(tok, r)) for r in rows]
+    limit = sorted(lengths)[1]
+    # filter on: the over-long prompt is dropped, so truncation='error' never fires (verl's order)
+    ds = RLDataset([str(path)], tok, max_prompt_length=limit, filter_overlong_prompts=True, truncation="error")
+    assert len(ds) == 2 and ds.num_truncated == 0
+    ds = RLDataset([str(path)], tok, max_prompt_length=limit, filter_overlong_prompts=False, truncation="right")
+    assert ds.num_truncated == 1
+    for item, row, n in zip(ds, rows, lengths):
+        want = _gsm8k_expected_ids(tok, row)
+        assert item["input_ids"] == (want if n <= limit else want[:limit])
+
+
+@pytest.mark.bad_input
+def test_truncation_error_names_file_row_and_the_way_out(tmp_path, tok):
+    path = tmp_path / "train.parquet"
+    rows = write_verl_gsm8k(path)
+    longest = max(range(len(rows)), key=lambda i: len(rows[i]["prompt"][0]["content"]))
+    n = len(_gsm8k_expected_ids(tok, rows[longest]))
+    with pytest.raises(ValueError, match=rf"data file '.*train.parquet' row {longest}: prompt has {n} tokens > "
+                                         rf"data.max_prompt_length={n - 1} and data.truncation='error'; set "
+                                         r"data.filter_overlong_prompts=true .* or data.truncation=left\|right"):
+        RLDataset([str(path)], tok, max_prompt_length=n - 1, filter_overlong_prompts=False)  # error is the default
+    with pytest.raises(ValueError, match=r"data.truncation='both'; choose one of error, left, right, middle"):
+        RLDataset([str(path)], tok, truncation="both")

@@ -59,6 +59,14 @@ class FakeGroup:
         self._log("update_actor")
         return DataProto(meta_info={"metrics": {"actor/pg_loss": 0.0}})
 
+    def compute_values(self, data: DataProto) -> DataProto:
+        self._log("compute_values")
+        return DataProto.from_dict({"values": torch.zeros_like(data.batch["response_mask"], dtype=torch.float32)})
+
+    def update_critic(self, data: DataProto) -> DataProto:
+        self._log("update_critic")
+        return DataProto(meta_info={"metrics": {"critic/vf_loss": 0.0}})
+
 
 def _config(tmp_path, *overrides: str):
     return load_config(None, [f"trainer.default_local_dir={tmp_path / 'run'}", "algorithm.adv_estimator=grpo",
@@ -122,6 +130,35 @@ def test_replace_mode_never_calls_the_rule_scorer_and_colocated_ref_is_the_actor
     assert all(r["score"] == pytest.approx(r["rm_score"]) for r in records)
 
 
+def test_critic_warmup_holds_the_actor_back_as_verl_does(tmp_path):
+    """trainer.critic_warmup=3 over 4 steps: verl updates the actor when critic_warmup <= global_step (steps count
+    from 1), so steps 1 and 2 train only the critic and steps 3 and 4 both; the critic trains at every step."""
+    from hybridflow.data.sampler import ResumableSampler
+    from hybridflow.models.tiny import build_tokenizer
+    from hybridflow.trainer.ppo_trainer import RayPPOTrainer
+
+    calls = []
+    actor, critic = FakeGroup("actor", calls), FakeGroup("critic", calls)
+    cfg = load_config(None, [f"trainer.default_local_dir={tmp_path / 'run'}", "algorithm.adv_estimator=gae",
+                             "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                             "data.max_prompt_length=6", "trainer.critic_warmup=3"])
+    dataset = [{"input_ids": [1, 20 + i], "raw_prompt": f"p{i}", "data_source": "fake", "ground_truth": "x",
+                "extra_info": {}, "index": i} for i in range(8)]
+    Path(cfg.trainer.default_local_dir).mkdir(parents=True)
+    trainer = RayPPOTrainer(cfg, build_tokenizer(), dataset, ResumableSampler(8, 2, seed=0, shuffle=False),
+                            RewardManager(compute_score=_length_reward), actor, critic)
+    updates = {}
+    for step in range(1, 5):
+        trainer.global_step = step
+        calls.clear()
+        metrics = trainer.step()
+        updates[step] = [method for _, method in calls if method.startswith("update_")]
+        assert ("timing_s/update_actor" in metrics) == (step >= 3) and "critic/vf_loss" in metrics
+        assert ("actor/pg_loss" in metrics) == (step >= 3)
+    assert updates == {1: ["update_critic"], 2: ["update_critic"], 3: ["update_critic", "update_actor"],
+                       4: ["update_critic", "update_actor"]}
+
+
 def test_combine_with_rm_rule():
     rule = torch.tensor([[0.0, 1.0], [0.5, 0.0]])
     rm = torch.tensor([[0.0, -0.25], [2.0, 0.0]])
@@ -183,6 +220,7 @@ def test_placement_checks(model_dirs):
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name='sglang'"):  # before any worker starts
         _validate(model_dirs, "actor_rollout_ref.rollout.name=sglang")
     mismatch = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",  # by default it follows the actor's
                 "actor_rollout_ref.actor.use_kl_loss=true"]
     with pytest.raises(ValueError, match=r"actor_rollout_ref.ref.megatron \(tp, pp, cp\)=\(1, 1, 1\) must equal"):
         _validate(model_dirs, *mismatch)

@@ -1,22 +1,37 @@
 """Load a config: schema defaults <- YAML file <- command-line dotlist overrides.
 
-Unknown keys fail here, before any process starts, naming the nearest valid key.
+Unknown keys fail here, before any process starts, naming the nearest valid key. verl keys that are not in
+our schema go through hybridflow.config.verl_compat first: ignored (dropped, logged once with the reason)
+or refused (with what to use instead). Every problem of a layer is reported at once, so a pasted verl
+command line shows all its refused keys in one error.
+
+verl command-line habits that work as in verl (Hydra): `+key=value` and `++key=value` (every key exists
+here, so both mean key=value), `key=[a,b]` lists, and a single string for a list key
+(`data.train_files=x.parquet`, `trainer.logger=console`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from pathlib import Path
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.config import verl_compat
+from hybridflow.config.schema import INTERPOLATED_DEFAULTS, HybridFlowConfig
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
     pass
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _valid_keys(cls, prefix: str = "") -> list[str]:
@@ -24,45 +39,97 @@ def _valid_keys(cls, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(cls):
         path = f"{prefix}{f.name}"
         keys.append(path)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = _default(f)
         if dataclasses.is_dataclass(default):
             keys += _valid_keys(type(default), path + ".")
     return keys
 
 
-def _check_keys(node: dict, cls, prefix: str, source: str) -> None:
+def is_valid_key(key: str) -> bool:
+    return key in _valid_keys(HybridFlowConfig)
+
+
+def _unknown(path: str, cls, prefix: str, source: str) -> str:
+    near = difflib.get_close_matches(path, _valid_keys(cls, prefix), n=1, cutoff=0.5) or difflib.get_close_matches(
+        path, _valid_keys(HybridFlowConfig), n=1, cutoff=0.5)
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    return f"unknown config key '{path}' in {source}{hint}"
+
+
+def _leaves(path: str, value) -> list[tuple[str, object]]:
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaves(f"{path}.{k}", v)]
+    return [(path, value)]
+
+
+def _is_list_field(f: dataclasses.Field) -> bool:
+    return str(f.type).replace(" ", "").startswith(("list[", "list|", "List["))
+
+
+def _filter_keys(node: dict, cls, prefix: str, source: str, ignored: dict, problems: list[str]) -> None:
+    """Check one layer against the schema, in place: verl keys the compat table ignores are removed (and
+    collected in `ignored`), refused and unknown keys are collected in `problems`."""
     names = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in node.items():
-        path = f"{prefix}{key}"
+    for key in list(node):
+        value, path = node[key], f"{prefix}{key}"
         if key not in names:
-            valid = _valid_keys(cls, prefix)
-            near = difflib.get_close_matches(path, valid, n=1, cutoff=0.5) or difflib.get_close_matches(
-                path, _valid_keys(HybridFlowConfig), n=1, cutoff=0.5)
-            hint = f"; did you mean '{near[0]}'?" if near else ""
-            raise ConfigError(f"unknown config key '{path}' in {source}{hint}")
+            verdicts = [(leaf, verl_compat.classify(leaf, v)) for leaf, v in _leaves(path, value)]
+            if all(v is None for _, v in verdicts):
+                problems.append(_unknown(path, cls, prefix, source))
+                continue
+            for leaf, v in verdicts:
+                if v is None:
+                    problems.append(_unknown(leaf, cls, prefix, source))
+                elif v.kind == verl_compat.REFUSED:
+                    problems.append(f"{v.message} (in {source})")
+            if all(v is not None and v.kind == verl_compat.IGNORED for _, v in verdicts):
+                ignored.update({v.key: v for _, v in verdicts})
+                del node[key]
+            continue
         f = names[key]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = _default(f)
         if dataclasses.is_dataclass(default) and isinstance(value, dict):
-            _check_keys(value, type(default), path + ".", source)
+            _filter_keys(value, type(default), path + ".", source, ignored, problems)
+        elif _is_list_field(f) and isinstance(value, str) and not value.startswith("${"):
+            node[key] = [value]  # verl (and its data loader / tracker) takes one string for a list
+
+
+def _checked_layer(cfg, source: str, ignored: dict):
+    container = OmegaConf.to_container(cfg, resolve=False)
+    problems: list[str] = []
+    _filter_keys(container, HybridFlowConfig, "", source, ignored, problems)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} config keys cannot be used:\n  - " + "\n  - ".join(problems))
+    return OmegaConf.create(container)
+
+
+def _normalise_override(item: str) -> str:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not key=value")
+    if item.startswith("~"):
+        raise ConfigError(f"override '{item}': Hydra's ~key (delete a key) is not supported; set the key's value")
+    # Hydra's +key (add) and ++key (add or override): every key already exists here, so both are key=value.
+    return item[2:] if item.startswith("++") else item[1:] if item.startswith("+") else item
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> HybridFlowConfig:
     base = OmegaConf.structured(HybridFlowConfig)
+    for key, expr in INTERPOLATED_DEFAULTS.items():  # defaults that follow another key, as in verl's yaml
+        OmegaConf.update(base, key, expr, merge=False)
     layers = []
+    ignored: dict[str, verl_compat.Verdict] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        file_cfg = OmegaConf.load(p)
-        _check_keys(OmegaConf.to_container(file_cfg, resolve=False), HybridFlowConfig, "", str(p))
-        layers.append(file_cfg)
+        layers.append(_checked_layer(OmegaConf.load(p), str(p), ignored))
     if overrides:
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override '{item}' is not key=value")
-        cli = OmegaConf.from_dotlist(list(overrides))
-        _check_keys(OmegaConf.to_container(cli, resolve=False), HybridFlowConfig, "", "command line")
-        layers.append(cli)
+        items = [_normalise_override(item) for item in overrides]
+        layers.append(_checked_layer(OmegaConf.from_dotlist(items), "command line", ignored))
+    for verdict in ignored.values():  # once per key, whichever layers set it
+        log.warning("ignoring verl key %s", verdict.message)
     try:
         merged = OmegaConf.merge(base, *layers)
         OmegaConf.resolve(merged)

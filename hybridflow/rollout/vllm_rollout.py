@@ -32,6 +32,7 @@ from hybridflow.rollout.base import Rollout, SamplingSettings, prompt_token_list
 from hybridflow.rollout.output import assemble_rollout_output
 from hybridflow.rollout.vllm_launch import (
     cpu_shm_communicator,
+    engine_memory_kwargs,
     job_token,
     prepare_cpu_threads,
     prepare_distributed_env,
@@ -39,6 +40,7 @@ from hybridflow.rollout.vllm_launch import (
 )
 
 logger = logging.getLogger(__name__)
+_memory_notes_logged: set[str] = set()  # once per process, not once per engine
 
 # (vllm_model, iterator of (hf_name, full tensor)) -> None. The resharding engine's GPU path.
 WeightLoader = Callable[[torch.nn.Module, Iterable[tuple[str, torch.Tensor]]], None]
@@ -110,13 +112,17 @@ class VLLMRollout(Rollout):
         if not on_gpu:
             self.threads = prepare_cpu_threads(info, threads)
 
+        memory, note = engine_memory_kwargs(config.gpu_memory_utilization, config.kv_cache_memory_bytes, on_gpu)
+        if note and note not in _memory_notes_logged:
+            _memory_notes_logged.add(note)
+            logger.info(note)
         kwargs = dict(
             model=self.model_path,
             tokenizer=self.model_path,
             dtype=("bfloat16" if on_gpu else "float32") if dtype == "auto" else dtype,
             tensor_parallel_size=t_g,
             distributed_executor_backend="external_launcher",
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            **memory,
             enforce_eager=not on_gpu,
             seed=config.seed,
             enable_prefix_caching=enable_prefix_caching,

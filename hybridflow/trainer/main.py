@@ -88,6 +88,7 @@ def validate(cfg: HybridFlowConfig) -> None:
     if cfg.critic.enable:
         critic_hf = _hf_config("critic.model.path", cfg.critic.model.path)
         _role_dims("critic.megatron", cfg.critic.megatron, world, critic_hf)
+    _validate_verl_shared_keys(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and a.rollout.n < 2:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
                          f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
@@ -105,6 +106,51 @@ def _validate_loss_names(cfg: HybridFlowConfig) -> None:
     # Checked even when unused (use_kl_loss / use_kl_in_reward off): a typo should not wait for the flag.
     check_kl_kind("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)
     check_kl_kind("algorithm.kl_penalty", cfg.algorithm.kl_penalty)
+
+
+def _validate_verl_shared_keys(cfg: HybridFlowConfig) -> None:
+    """Keys shared with verl whose values need a check here (after critic.enable is resolved): the rollout's
+    memory, data.truncation, trainer.critic_warmup, and context parallelism (not supported yet)."""
+    import torch
+
+    from hybridflow.data.rl_dataset import TRUNCATIONS
+    from hybridflow.rollout.vllm_launch import engine_memory_kwargs
+
+    r = cfg.actor_rollout_ref.rollout
+    on_gpu = torch.cuda.is_available()  # the driver's view, as for perf/mfu's device peak
+    _, note = engine_memory_kwargs(r.gpu_memory_utilization, r.kv_cache_memory_bytes, on_gpu)  # raises if bad
+    if note and r.name == "vllm":
+        log.info("%s", note)  # here, once: the workers' own info lines do not reach the driver's console
+    offloads = [f"{role}.megatron.{flag}" for role, m in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor),
+                                                          ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref),
+                                                          ("critic", cfg.critic), ("reward_model", cfg.reward_model))
+                for flag in ("param_offload", "grad_offload", "optimizer_offload") if getattr(m.megatron, flag)]
+    if offloads and not on_gpu:
+        log.info("%s: no CUDA, the models already live in host memory, so offload moves nothing (a no-op on CPU)",
+                 ", ".join(offloads))
+    if cfg.data.truncation not in TRUNCATIONS:
+        raise ValueError(f"data.truncation={cfg.data.truncation!r}; choose one of {', '.join(TRUNCATIONS)}")
+    warmup = cfg.trainer.critic_warmup
+    if warmup < 0:
+        raise ValueError(f"trainer.critic_warmup={warmup} must be >= 0")
+    if warmup > 1 and not cfg.critic.enable:
+        raise ValueError(f"trainer.critic_warmup={warmup} holds the actor back for the first {warmup - 1} steps "
+                         f"to train the critic, but there is no critic (algorithm.adv_estimator="
+                         f"{cfg.algorithm.adv_estimator}, critic.enable=false): those steps would train nothing; "
+                         "set trainer.critic_warmup=0")
+    roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.megatron}
+    if needs_ref(cfg):
+        roles["actor_rollout_ref.ref"] = cfg.actor_rollout_ref.ref.megatron
+    if cfg.critic.enable:
+        roles["critic"] = cfg.critic.megatron
+    if cfg.reward_model.enable:
+        roles["reward_model"] = cfg.reward_model.megatron
+    for role, m in roles.items():
+        if m.context_parallel_size != 1:
+            raise ValueError(f"{role}.megatron.context_parallel_size={m.context_parallel_size}: context parallelism "
+                             "is not supported yet; meanwhile set it to 1 and cut activation memory with "
+                             f"{role}.megatron.sequence_parallel=true and tensor_model_parallel_size, or smaller "
+                             "micro-batches")
 
 
 def wants_validation(cfg: HybridFlowConfig) -> bool:
@@ -251,7 +297,8 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     make_dataset = lambda files: RLDataset(files, tokenizer, prompt_key=cfg.data.prompt_key,
                                            max_prompt_length=cfg.data.max_prompt_length,
                                            apply_chat_template=cfg.data.apply_chat_template,
-                                           filter_overlong_prompts=cfg.data.filter_overlong_prompts)
+                                           filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+                                           truncation=cfg.data.truncation)
     dataset = make_dataset(cfg.data.train_files)
     val_dataset = make_dataset(cfg.data.val_files) if wants_validation(cfg) else None
     sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed, shuffle=cfg.data.shuffle)
@@ -294,8 +341,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="YAML file; keys as in hybridflow/config/schema.py")
     ap.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. actor_rollout_ref.actor.optim.lr=1e-5")
+    # verl's Hydra flags, so a pasted verl command line runs: its Megatron yaml's keys are our schema's defaults.
+    ap.add_argument("--config-path", dest="verl_config_path", help=argparse.SUPPRESS)
+    ap.add_argument("--config-name", dest="verl_config_name", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for flag, value in (("--config-path", args.verl_config_path), ("--config-name", args.verl_config_name)):
+        if value is not None:
+            log.warning("ignoring verl's %s=%s: the defaults here are hybridflow/config/schema.py's (see README "
+                        "'Coming from verl'); pass --config FILE for a YAML file of ours", flag, value)
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg)

@@ -155,6 +155,11 @@ class RayPPOTrainer:
         # auto: one epoch over one mini-batch is exactly on-policy, so the update's own forward is old_log_prob.
         return a.actor.ppo_epochs == 1 and a.actor.ppo_mini_batch_size == self.cfg.data.train_batch_size
 
+    def updates_actor(self) -> bool:
+        """verl's critic warm-up rule: the actor is updated at steps >= trainer.critic_warmup (global_step counts
+        from 1), the critic at every step; critic_warmup=N thus trains only the critic for the first N-1 steps."""
+        return self.cfg.trainer.critic_warmup <= self.global_step
+
     def step(self) -> dict:
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
@@ -198,9 +203,11 @@ class RayPPOTrainer:
             with timer("update_critic", timings):
                 out = self.critic.update_critic(batch)
                 metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
-        with timer("update_actor", timings):
-            out = self.arr.update_actor(batch)
-            metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
+        actor_updated = self.updates_actor()
+        if actor_updated:
+            with timer("update_actor", timings):
+                out = self.arr.update_actor(batch)
+                metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
         step_time = time.perf_counter() - t_step
         n_prompt, n_resp = M.token_counts(batch)
         metrics.update(M.data_metrics(batch, self.use_critic, rollout_vs_old=not skip_old))
@@ -208,7 +215,7 @@ class RayPPOTrainer:
             metrics["rollout/logprob_diff_mean"] = metrics.pop("actor/rollout_logprob_diff")
         metrics.update(M.timing_metrics(timings, n_prompt, n_resp))
         # actor FLOPs: one forward per log-prob pass (old, ref) + 3 for the update (fwd + bwd)
-        passes = 3 + (0 if skip_old else 1) + (1 if self.use_ref else 0)
+        passes = (3 if actor_updated else 0) + (0 if skip_old else 1) + (1 if self.use_ref else 0)
         flops = M.transformer_flops(self.n_params or 0, n_prompt + n_resp, passes) if self.n_params else None
         metrics.update(M.throughput_metrics(n_prompt, n_resp, step_time, self.n_devices, flops, self.peak_flops))
         if "timing_s/reshard" in metrics:
@@ -333,6 +340,9 @@ class RayPPOTrainer:
         total = self.total_steps()
         self.maybe_resume()
         log.info("perf/mfu/actor uses a peak of %.3g FLOP/s per device (%s)", self.peak_flops, self.peak_source)
+        if self.cfg.trainer.critic_warmup > 1:
+            log.info("trainer.critic_warmup=%d: steps 1-%d update only the critic, the actor from step %d on",
+                     self.cfg.trainer.critic_warmup, self.cfg.trainer.critic_warmup - 1, self.cfg.trainer.critic_warmup)
         tracker = Tracking(self.cfg.trainer.logger, self.run_dir, self.cfg.trainer.project_name,
                            self.cfg.trainer.experiment_name, to_dict(self.cfg), total_steps=total,
                            start_step=self.global_step)
