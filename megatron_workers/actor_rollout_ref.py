@@ -155,8 +155,9 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
             # driver skipped the separate old-log-prob pass.
             old = log_prob.detach() if on_policy else get("old_log_probs")
             pg = compute_policy_loss(old, log_prob, get("advantages"), mask, clip_ratio_low=low,
-                                     clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode)
-            entropy_agg = agg_loss(entropy, mask, mode)
+                                     clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode,
+                                     loss_scale_factor=cfg.loss_scale_factor)
+            entropy_agg = agg_loss(entropy, mask, mode, loss_scale_factor=cfg.loss_scale_factor)
             loss = pg["pg_loss"] - cfg.entropy_coeff * entropy_agg
             metrics = {"pg_loss": pg["pg_loss"], "pg_clipfrac": pg["pg_clipfrac"], "ppo_kl": pg["ppo_kl"],
                        "pg_clipfrac_lower": pg["pg_clipfrac_lower"], "entropy": entropy_agg}
@@ -164,7 +165,8 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
                 diff = (log_prob.detach() - get("old_log_probs")).abs()
                 metrics["rollout_logprob_diff"] = (diff * mask).sum() / mask.sum().clamp(min=1)
             if cfg.use_kl_loss:
-                kl = agg_loss(kl_penalty(log_prob, get("ref_log_prob"), cfg.kl_loss_type), mask, mode)
+                kl = agg_loss(kl_penalty(log_prob, get("ref_log_prob"), cfg.kl_loss_type), mask, mode,
+                              loss_scale_factor=cfg.loss_scale_factor)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["kl_loss"] = kl
             return loss, {k: v.detach() for k, v in metrics.items()}

@@ -89,7 +89,8 @@ class CriticWorker(Worker):
             get = lambda k: micro[k].to(vpreds.device)
             vf_loss, clipfrac = compute_value_loss(vpreds=vpreds, returns=get("returns"), values=get("values"),
                                                    response_mask=get("response_mask"),
-                                                   cliprange_value=cfg.cliprange_value, loss_agg_mode=mode)
+                                                   cliprange_value=cfg.cliprange_value, loss_agg_mode=mode,
+                                                   loss_scale_factor=cfg.loss_scale_factor)
             vpred_mean = masked_mean(vpreds.detach(), get("response_mask"))
             return vf_loss, {"vf_loss": vf_loss.detach(), "vf_clipfrac": clipfrac.detach(), "vpred_mean": vpred_mean}
 

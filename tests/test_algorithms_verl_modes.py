@@ -283,6 +283,9 @@ def _validate(tiny_policy, *overrides):
          r"k2, low_var_kl, k3, kl\+, k1\+, abs\+, mse\+, k2\+, low_var_kl\+, k3\+"),
         ("actor_rollout_ref.actor.kl_loss_type=full",
          r"actor_rollout_ref\.actor\.kl_loss_type='full': the exact \(full-vocabulary\) KL .* not supported"),
+        ("actor_rollout_ref.actor.loss_scale_factor=0",
+         r"actor_rollout_ref\.actor\.loss_scale_factor=0\.0 must be > 0"),
+        ("critic.loss_scale_factor=-2", r"critic\.loss_scale_factor=-2\.0 must be > 0"),
         ("algorithm.kl_penalty=lowvar_kl",
          r"unknown algorithm\.kl_penalty='lowvar_kl' \(did you mean 'low_var_kl'\?\); valid: kl, k1"),
     ],
@@ -295,4 +298,5 @@ def test_unknown_loss_names_fail_in_validate(tiny_policy, override, message):
 def test_verl_names_pass_validate(tiny_policy):
     _validate(tiny_policy, "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
               "critic.loss_agg_mode=token-sum", "actor_rollout_ref.actor.kl_loss_type=k3+",
+              "actor_rollout_ref.actor.loss_scale_factor=512",
               "algorithm.kl_penalty=low_var_kl+")

@@ -55,6 +55,8 @@ class ActorConfig:
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
     loss_agg_mode: str = "token-mean"  # hybridflow.algorithms.LOSS_AGG_MODES (verl's agg_loss modes)
+    # seq-mean-token-sum-norm's constant divisor (verl's key); None: the padded response length, as verl
+    loss_scale_factor: float | None = None
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -124,6 +126,7 @@ class CriticConfig:
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"  # as actor.loss_agg_mode
+    loss_scale_factor: float | None = None  # as actor.loss_scale_factor
 
 
 @dataclass

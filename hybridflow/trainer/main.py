@@ -106,6 +106,10 @@ def _validate_loss_names(cfg: HybridFlowConfig) -> None:
     # Checked even when unused (use_kl_loss / use_kl_in_reward off): a typo should not wait for the flag.
     check_kl_kind("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)
     check_kl_kind("algorithm.kl_penalty", cfg.algorithm.kl_penalty)
+    for key, factor in (("actor_rollout_ref.actor.loss_scale_factor", actor.loss_scale_factor),
+                        ("critic.loss_scale_factor", cfg.critic.loss_scale_factor)):
+        if factor is not None and not factor > 0:
+            raise ValueError(f"{key}={factor} must be > 0 (or null: the padded response length, as verl)")
 
 
 def _validate_verl_shared_keys(cfg: HybridFlowConfig) -> None:
