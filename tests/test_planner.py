@@ -259,3 +259,16 @@ def test_old_log_prob_pass_follows_the_trainer_rule():
     assert not skips_old_log_prob(load_config(recipe, [*on_policy, "actor_rollout_ref.recompute_old_log_prob=true"]))
     stages = lambda o: [s.name for s in make_plan(recipe, o, Options()).stages]  # noqa: E731
     assert "old_log_prob" in stages([]) and "old_log_prob" not in stages(on_policy)
+
+
+def test_kv_cache_from_gpu_memory_utilization_when_no_byte_size():
+    recipe = REPO / "configs/recipes/llama3_70b_ppo_16nodes.yaml"
+    plan = make_plan(recipe, ["actor_rollout_ref.rollout.kv_cache_memory_bytes=null",
+                              "actor_rollout_ref.rollout.gpu_memory_utilization=0.6"], Options(gpu="a100"))
+    ro = plan.memory.roles["rollout"]
+    # vLLM's whole share (weights + runtime + KV) is 0.6 of the device
+    assert ro["vLLM weights"] + ro["vLLM runtime"] + ro["KV cache"] == pytest.approx(0.6 * plan.job.device.memory_bytes,
+                                                                                     abs=1)
+    with pytest.raises(PlanInputError, match="gpu_memory_utilization=0.1 leaves no KV cache"):
+        make_plan(recipe, ["actor_rollout_ref.rollout.kv_cache_memory_bytes=null",
+                           "actor_rollout_ref.rollout.gpu_memory_utilization=0.1"], Options(gpu="a100"))

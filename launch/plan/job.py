@@ -118,6 +118,25 @@ def _offload(key: str, m: MegatronConfig) -> tuple[dict, dict]:
     return flags, keys
 
 
+def kv_cache_bytes(rollout, shape: Shape, dtype: str, device: Device) -> int:
+    """vLLM's KV cache per GPU: rollout.kv_cache_memory_bytes when set; otherwise what gpu_memory_utilization of
+    the device leaves after vLLM's weights and runtime (vLLM's own sizing on GPU: hybridflow.rollout.vllm_launch)."""
+    from launch.plan import memory as M
+
+    if rollout.kv_cache_memory_bytes is not None:
+        return int(rollout.kv_cache_memory_bytes)
+    util = rollout.gpu_memory_utilization
+    if not 0 < util <= 1:
+        raise PlanInputError(f"actor_rollout_ref.rollout.gpu_memory_utilization={util} must be in (0, 1]")
+    weights = M.total_params(shape) * M.BYTES_PER_PARAM[dtype]["param"] / rollout.tensor_model_parallel_size
+    kv = util * device.memory_bytes - weights - M.OVERHEADS["vllm_runtime"][0]
+    if kv <= 0:
+        raise PlanInputError(f"actor_rollout_ref.rollout.gpu_memory_utilization={util} leaves no KV cache: "
+                             f"{util * device.memory_bytes / M.GiB:.1f} GiB for vLLM, its weights take "
+                             f"{weights / M.GiB:.1f} GiB at tp={rollout.tensor_model_parallel_size}")
+    return int(kv)
+
+
 def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
     from hybridflow.algorithms.advantages import needs_critic
     from hybridflow.trainer.main import needs_ref
@@ -194,6 +213,7 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
                                      "reward_model" if split else "colocated")
     return Job(roles=roles, t_g=a.rollout.tensor_model_parallel_size, n=a.rollout.n, prompts=rows,
                prompt_len=cfg.data.max_prompt_length, response_len=a.rollout.response_length,
-               kv_cache_bytes=a.rollout.kv_cache_memory_bytes, bucket_bytes=a.rollout.reshard_bucket_bytes,
+               kv_cache_bytes=kv_cache_bytes(a.rollout, actor_shape, dtype, device),
+               bucket_bytes=a.rollout.reshard_bucket_bytes,
                nnodes=t.nnodes, gpus_per_node=t.n_gpus_per_node, placement=t.placement, dtype=dtype, device=device,
                options=options, old_log_prob_pass=not skips_old_log_prob(cfg), algorithm=cfg.algorithm.adv_estimator)
