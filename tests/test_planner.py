@@ -281,3 +281,26 @@ def test_readme_recipes_table_matches_the_headers():
     for name, mem, step in rows:
         h = _header(REPO / "configs" / "recipes" / f"{name}.yaml")
         assert (float(mem), float(step)) == (h["mem"], h["step"]), name
+
+
+def test_shape_from_config_json_wins_and_reward_models_read_as_their_body(tmp_path):
+    rm = tmp_path / "my-rm"
+    rm.mkdir()
+    cfg = {**KNOWN_CONFIGS["Meta-Llama-3-8B"], "num_hidden_layers": 4,
+           "architectures": ["LlamaForSequenceClassification"]}
+    (rm / "config.json").write_text(json.dumps(cfg))
+    shape = resolve_shape("reward_model.model.path", str(rm))
+    assert shape.num_layers == 4 and shape.source.endswith("config.json")
+    assert resolve_shape("m", "/nowhere/Meta-Llama-3-8B-Instruct").num_layers == 32  # the table, by basename
+
+
+def test_split_placement_plans_one_pool_per_role():
+    recipe = REPO / "configs/recipes/qwen2_7b_ppo_1node.yaml"
+    colo = make_plan(recipe, [], Options())
+    split = make_plan(recipe, ["trainer.placement=split"], Options())
+    assert colo.job.total_gpus == 8 and split.job.total_gpus == 8 * 3  # actor_rollout, ref, critic
+    for phase in split.memory.phases:  # a pool's stage only holds its own roles
+        pool_roles = {r for r, role in split.job.roles.items() if role.pool == phase.pool} | {"gpu", "rollout"}
+        assert {r for r, _, _ in phase.items} <= pool_roles
+    assert split.memory.peak.total < colo.memory.peak.total + 1
+    assert split.tokens_per_gpu_s == pytest.approx(colo.tokens_per_gpu_s * colo.step_s / split.step_s / 3)
