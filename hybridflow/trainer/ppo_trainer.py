@@ -51,6 +51,17 @@ def device_peak_flops(cfg: HybridFlowConfig) -> tuple[float, str]:
     return 80e9, "one AVX2 core fp32 (estimate)"
 
 
+def skips_old_log_prob(cfg: HybridFlowConfig) -> bool:
+    """Whether the step skips the separate old-log-prob pass (also what launch.plan counts)."""
+    a = cfg.actor_rollout_ref
+    mode = str(a.recompute_old_log_prob).lower()
+    if mode in ("true", "1"):
+        return False
+    if mode in ("false", "0"):
+        return True
+    # auto: one epoch over one mini-batch is exactly on-policy, so the update's own forward is old_log_prob.
+    return a.actor.ppo_epochs == 1 and a.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+
 class RayPPOTrainer:
     def __init__(self, cfg: HybridFlowConfig, tokenizer, train_dataset, sampler, reward_fn, actor_rollout_ref,
                  critic=None, ref=None, reward_model=None, val_dataset=None):
@@ -146,14 +157,7 @@ class RayPPOTrainer:
         return out
 
     def skip_old_log_prob(self) -> bool:
-        a = self.cfg.actor_rollout_ref
-        mode = str(a.recompute_old_log_prob).lower()
-        if mode in ("true", "1"):
-            return False
-        if mode in ("false", "0"):
-            return True
-        # auto: one epoch over one mini-batch is exactly on-policy, so the update's own forward is old_log_prob.
-        return a.actor.ppo_epochs == 1 and a.actor.ppo_mini_batch_size == self.cfg.data.train_batch_size
+        return skips_old_log_prob(self.cfg)
 
     def updates_actor(self) -> bool:
         """verl's critic warm-up rule: the actor is updated at steps >= trainer.critic_warmup (global_step counts

@@ -1,0 +1,62 @@
+"""launch.plan: will a HybridFlow config fit its GPUs, and roughly how long is one step? No GPU, no weights.
+
+    python -m launch.plan configs/recipes/llama3_70b_ppo_16nodes.yaml --gpu a100 --recompute selective
+    python -m launch.plan --against-paper
+
+Modules: shapes (model shapes: config.json or a known table), devices (GPU/network table), memory (bytes per
+parameter, activation formulas, KV cache), fit (per-stage memory peak and the fit check), step_time (seconds per
+stage), paper (published figures), report (tables). `make_plan` is what the CLI and the tests call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launch.plan.fit import MemoryPlan, plan_memory
+from launch.plan.job import Job, Options, PlanInputError, read_job
+from launch.plan.step_time import StageTime, step_times
+
+
+@dataclass(frozen=True)
+class Plan:
+    job: Job
+    memory: MemoryPlan
+    stages: tuple[StageTime, ...]
+
+    @property
+    def step_s(self) -> float:
+        return sum(s.seconds for s in self.stages)
+
+    @property
+    def tokens(self) -> int:
+        """Prompt + response tokens of one step (every response at full length), verl's perf/total_num_tokens."""
+        return self.job.sequences * self.job.seq_len
+
+    @property
+    def tokens_per_gpu_s(self) -> float:
+        """verl's perf/throughput: tokens / (step time * GPUs)."""
+        return self.tokens / (self.step_s * self.job.total_gpus)
+
+
+def plan_config(cfg, options: Options | None = None) -> Plan:
+    """Plan a loaded HybridFlowConfig."""
+    job = read_job(cfg, options or Options())
+    try:
+        stages = tuple(step_times(job))
+    except ValueError as e:
+        raise PlanInputError(str(e)) from None
+    return Plan(job, plan_memory(job), stages)
+
+
+def make_plan(config_path, overrides: list[str] | None = None, options: Options | None = None) -> Plan:
+    """Load a config file (+ dotlist overrides) with the trainer's loader and plan it."""
+    from hybridflow.config.load import ConfigError, load_config
+
+    try:
+        cfg = load_config(config_path, overrides or [])
+    except ConfigError as e:
+        raise PlanInputError(str(e)) from None
+    return plan_config(cfg, options)
+
+
+__all__ = ["Job", "MemoryPlan", "Options", "Plan", "PlanInputError", "StageTime", "make_plan", "plan_config"]

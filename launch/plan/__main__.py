@@ -1,0 +1,80 @@
+"""python -m launch.plan CONFIG [key=value ...] [--gpu h100|a100|h200] [--recompute none|selective|full] ...
+python -m launch.plan --against-paper
+
+Exit codes: 0 fits, 1 does not fit (the message names the stage, role, component and overflow, and knobs that
+would fix it), 2 bad input (unknown GPU or model, a layout that does not divide, too few GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from launch.plan.job import Options, PlanInputError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", nargs="?", help="a HybridFlow YAML config (configs/recipes/*.yaml)")
+    ap.add_argument("overrides", nargs="*", help="dotlist overrides, as the trainer takes them")
+    ap.add_argument("--gpu", default="h100", help="a100 | h100 | h200 (default h100)")
+    ap.add_argument("--recompute", default="none", help="none | selective | full (Megatron activation recompute)")
+    ap.add_argument("--virtual-pipeline", type=int, default=1, dest="vpp", help="virtual pipeline chunks per stage")
+    ap.add_argument("--kernels", default="te", help="te (GPU, Transformer Engine) | local (megatron local spec)")
+    ap.add_argument("--dtype", default=None, help="bf16 | fp32 (default: model.dtype, bf16 for auto)")
+    ap.add_argument("--internode-gbps", type=float, default=None,
+                    help="inter-node bandwidth per node in Gb/s (default: the device table's per-GPU NICs)")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="vLLM concurrent sequences per engine")
+    ap.add_argument("--header", action="store_true", help="print a recipe header for this plan")
+    ap.add_argument("--json", action="store_true", help="also print the plan's numbers as one JSON line")
+    ap.add_argument("--against-paper", action="store_true", help="compare with the published figures")
+    return ap.parse_intermixed_args(argv)  # flags may come between the overrides
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    return Options(gpu=args.gpu, recompute=args.recompute, vpp=args.vpp, kernels=args.kernels, dtype=args.dtype,
+                   internode_gbps_per_node=args.internode_gbps, max_num_seqs=args.max_num_seqs)
+
+
+def summary(plan) -> dict:
+    return {"fits": plan.memory.fits, "peak_gib": plan.memory.peak.total / 1024**3, "peak_stage": plan.memory.peak.name,
+            "step_s": plan.step_s, "tokens_per_gpu_s": plan.tokens_per_gpu_s,
+            "stages_s": {s.name: s.seconds for s in plan.stages}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.against_paper:
+        from launch.plan.paper import against_paper, render_cases
+
+        result = against_paper()
+        print(render_cases(result))
+        print(json.dumps(result))
+        return 0
+    if not args.config:
+        print("error: give a config file (or --against-paper)", file=sys.stderr)
+        return 2
+    from launch.plan import make_plan
+    from launch.plan.report import fit_message, header_lines, render
+
+    try:
+        plan = make_plan(args.config, args.overrides, options_from(args))
+    except (PlanInputError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(render(plan))
+    if args.header:
+        flags = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--header")
+        print("\n" + "\n".join(header_lines(plan, f"python -m launch.plan {flags}")))
+    if args.json:
+        print(json.dumps(summary(plan)))
+    message = fit_message(plan)
+    if message:
+        print("\n" + message, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""A HybridFlow config, read into what the planner needs: roles with their model shape and layout, the batch.
+
+Every check here happens before any number is computed and names the config key: a layout needing more GPUs
+than trainer.nnodes * n_gpus_per_node, a TP/PP size that does not divide heads, KV groups or layers (through
+ParallelDims.validate / GenerationDims.validate, the same checks the trainer runs), an unknown model. It does
+not call hybridflow.trainer.main.validate, which needs the model weights and data files on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.config.schema import HybridFlowConfig, MegatronConfig
+from hybridflow.parallel.dims import GenerationDims, LayoutError, ParallelDims
+from launch.plan.devices import Device, get_device
+from launch.plan.memory import KERNEL_PROFILES, RECOMPUTE_MODES, dtype_key
+from launch.plan.shapes import Shape, resolve_shape
+
+
+class PlanInputError(ValueError):
+    """Bad planner input, found before anything is computed; the message names the key or flag."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """Planner-side knobs. recompute and vpp model Megatron options the config schema does not carry yet
+    (--recompute-granularity / --num-layers-per-virtual-pipeline-stage); kernels picks the activation profile."""
+
+    gpu: str = "h100"
+    recompute: str = "none"  # none | selective | full (Megatron's recompute_granularity; full = uniform, 1 layer)
+    vpp: int = 1  # virtual pipeline chunks per stage (interleaved 1F1B)
+    kernels: str = "te"  # te (GPU, Transformer Engine spec) | local (megatron-core local spec)
+    dtype: str | None = None  # None: actor_rollout_ref.model.dtype, and bf16 for "auto" (a GPU plan)
+    internode_gbps_per_node: float | None = None  # replaces the device table's network (e.g. the paper's testbed)
+    max_num_seqs: int = 256  # vLLM's default concurrent sequences per engine (EngineArgs.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str  # actor | ref | critic | reward_model
+    key: str  # its config prefix, for messages
+    shape: Shape
+    dims: ParallelDims
+    trainable: bool
+    scalar_head: bool
+    dist_opt: bool
+    offload: dict[str, bool]  # params / grads / optimizer -> offloaded while the role is idle
+    offload_keys: dict[str, str]
+    micro_batch: int  # sequences per training micro-batch (trainable roles)
+    fwd_micro_batch: int  # sequences per forward-only micro-batch
+    mini_batch: int  # prompts per optimizer step
+    epochs: int
+    pool: str
+
+
+@dataclass(frozen=True)
+class Job:
+    roles: dict[str, Role]
+    t_g: int
+    n: int
+    prompts: int
+    prompt_len: int
+    response_len: int
+    kv_cache_bytes: int
+    bucket_bytes: int
+    nnodes: int
+    gpus_per_node: int
+    placement: str
+    dtype: str
+    device: Device
+    options: Options
+    old_log_prob_pass: bool
+    algorithm: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.nnodes * self.gpus_per_node
+
+    @property
+    def pools(self) -> list[str]:
+        return sorted({r.pool for r in self.roles.values()})
+
+    @property
+    def total_gpus(self) -> int:
+        return self.world * len(self.pools)
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.n
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+
+def _dims(key: str, m: MegatronConfig, world: int, shape: Shape) -> ParallelDims:
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    if min(tp, pp, cp) < 1:
+        raise PlanInputError(f"{key}: tp, pp, cp = {tp}, {pp}, {cp} must all be >= 1")
+    if tp * pp * cp > world:
+        raise PlanInputError(f"{key}: tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} GPUs, more than "
+                             f"trainer.nnodes*n_gpus_per_node = {world}")
+    if world % (tp * pp * cp):
+        raise PlanInputError(f"{key}: tp*pp*cp = {tp * pp * cp} does not divide trainer.nnodes*n_gpus_per_node "
+                             f"= {world}")
+    try:
+        return ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel).validate(
+            world, shape.model_shape)
+    except LayoutError as e:
+        raise PlanInputError(f"{key}: {e} (model {shape.name})") from None
+
+
+def _offload(key: str, m: MegatronConfig) -> tuple[dict, dict]:
+    flags = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload}
+    keys = {"params": f"{key}.param_offload", "grads": f"{key}.grad_offload",
+            "optimizer": f"{key}.optimizer_offload"}
+    return flags, keys
+
+
+def kv_cache_bytes(rollout, shape: Shape, dtype: str, device: Device) -> int:
+    """vLLM's KV cache per GPU: rollout.kv_cache_memory_bytes when set; otherwise what gpu_memory_utilization of
+    the device leaves after vLLM's weights and runtime (vLLM's own sizing on GPU: hybridflow.rollout.vllm_launch)."""
+    from launch.plan import memory as M
+
+    if rollout.kv_cache_memory_bytes is not None:
+        return int(rollout.kv_cache_memory_bytes)
+    util = rollout.gpu_memory_utilization
+    if not 0 < util <= 1:
+        raise PlanInputError(f"actor_rollout_ref.rollout.gpu_memory_utilization={util} must be in (0, 1]")
+    weights = M.total_params(shape) * M.BYTES_PER_PARAM[dtype]["param"] / rollout.tensor_model_parallel_size
+    kv = util * device.memory_bytes - weights - M.OVERHEADS["vllm_runtime"][0]
+    if kv <= 0:
+        raise PlanInputError(f"actor_rollout_ref.rollout.gpu_memory_utilization={util} leaves no KV cache: "
+                             f"{util * device.memory_bytes / M.GiB:.1f} GiB for vLLM, its weights take "
+                             f"{weights / M.GiB:.1f} GiB at tp={rollout.tensor_model_parallel_size}")
+    return int(kv)
+
+
+def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
+    from hybridflow.algorithms.advantages import needs_critic
+    from hybridflow.trainer.main import needs_ref
+    from hybridflow.trainer.ppo_trainer import skips_old_log_prob
+
+    if options.recompute not in RECOMPUTE_MODES:
+        raise PlanInputError(f"--recompute {options.recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    if options.kernels not in KERNEL_PROFILES:
+        raise PlanInputError(f"--kernels {options.kernels!r}; choose one of {', '.join(KERNEL_PROFILES)}")
+    if options.vpp < 1:
+        raise PlanInputError(f"--virtual-pipeline {options.vpp} must be >= 1")
+    try:
+        device = get_device(options.gpu, options.internode_gbps_per_node, cfg.trainer.n_gpus_per_node)
+    except ValueError as e:
+        raise PlanInputError(str(e)) from None
+    a, t = cfg.actor_rollout_ref, cfg.trainer
+    if t.nnodes < 1 or t.n_gpus_per_node < 1:
+        raise PlanInputError(f"trainer.nnodes={t.nnodes} and trainer.n_gpus_per_node={t.n_gpus_per_node} must be >= 1")
+    world = t.nnodes * t.n_gpus_per_node
+    dtype_name = options.dtype or (a.model.dtype if a.model.dtype != "auto" else "bf16")
+    try:
+        dtype = dtype_key(dtype_name)
+    except ValueError as e:
+        raise PlanInputError(f"actor_rollout_ref.model.dtype / --dtype: {e}") from None
+    if t.placement not in ("colocate", "split"):
+        raise PlanInputError(f"trainer.placement={t.placement!r}; choose colocate or split")
+    split = t.placement == "split"
+    actor_shape = resolve_shape("actor_rollout_ref.model.path", a.model.path)
+    key = "actor_rollout_ref.actor.megatron"
+    actor_dims = _dims(key, a.actor.megatron, world, actor_shape)
+    if a.rollout.tensor_model_parallel_size > world:
+        raise PlanInputError(f"actor_rollout_ref.rollout.tensor_model_parallel_size="
+                             f"{a.rollout.tensor_model_parallel_size} needs more GPUs than "
+                             f"trainer.nnodes*n_gpus_per_node = {world}")
+    try:
+        GenerationDims(a.rollout.tensor_model_parallel_size).validate(actor_dims, actor_shape.model_shape)
+    except LayoutError as e:
+        raise PlanInputError(f"actor_rollout_ref.rollout.tensor_model_parallel_size: {e}") from None
+    rows = cfg.data.train_batch_size
+    if rows % actor_dims.dp or rows % a.actor.ppo_mini_batch_size:
+        raise PlanInputError(f"data.train_batch_size={rows} must be divisible by the actor dp size {actor_dims.dp} "
+                             f"and by actor_rollout_ref.actor.ppo_mini_batch_size={a.actor.ppo_mini_batch_size}")
+    roles: dict[str, Role] = {}
+    off, off_keys = _offload(key, a.actor.megatron)
+    roles["actor"] = Role("actor", "actor_rollout_ref.actor", actor_shape, actor_dims, True, False,
+                          a.actor.megatron.use_distributed_optimizer, off, off_keys,
+                          a.actor.ppo_micro_batch_size_per_gpu,
+                          a.rollout.log_prob_micro_batch_size_per_gpu, a.actor.ppo_mini_batch_size, a.actor.ppo_epochs,
+                          "actor_rollout" if split else "colocated")
+    if needs_ref(cfg):
+        ref_m = a.ref.megatron if split else a.actor.megatron  # colocated, the ref shares the actor's mesh
+        rkey = "actor_rollout_ref.ref.megatron"
+        off, off_keys = _offload(rkey, a.ref.megatron)
+        roles["ref"] = Role("ref", "actor_rollout_ref.ref", actor_shape, _dims(rkey, ref_m, world, actor_shape),
+                            False, False, False, off, off_keys, 0, a.ref.log_prob_micro_batch_size_per_gpu, 0, 0,
+                            "ref" if split else "colocated")
+    critic_on = cfg.critic.enable if cfg.critic.enable is not None else needs_critic(cfg.algorithm.adv_estimator)
+    if critic_on:
+        c = cfg.critic
+        shape = resolve_shape("critic.model.path", c.model.path) if c.model.path else actor_shape
+        off, off_keys = _offload("critic.megatron", c.megatron)
+        roles["critic"] = Role("critic", "critic", shape, _dims("critic.megatron", c.megatron, world, shape), True,
+                               True, c.megatron.use_distributed_optimizer, off, off_keys,
+                               c.ppo_micro_batch_size_per_gpu,
+                               c.ppo_micro_batch_size_per_gpu, c.ppo_mini_batch_size, c.ppo_epochs,
+                               "critic" if split else "colocated")
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        shape = resolve_shape("reward_model.model.path", rm.model.path)
+        off, off_keys = _offload("reward_model.megatron", rm.megatron)
+        roles["reward_model"] = Role("reward_model", "reward_model", shape,
+                                     _dims("reward_model.megatron", rm.megatron, world, shape), False, True, False, off,
+                                     off_keys, 0, rm.micro_batch_size_per_gpu, 0, 0,
+                                     "reward_model" if split else "colocated")
+    return Job(roles=roles, t_g=a.rollout.tensor_model_parallel_size, n=a.rollout.n, prompts=rows,
+               prompt_len=cfg.data.max_prompt_length, response_len=a.rollout.response_length,
+               kv_cache_bytes=kv_cache_bytes(a.rollout, actor_shape, dtype, device),
+               bucket_bytes=a.rollout.reshard_bucket_bytes,
+               nnodes=t.nnodes, gpus_per_node=t.n_gpus_per_node, placement=t.placement, dtype=dtype, device=device,
+               options=options, old_log_prob_pass=not skips_old_log_prob(cfg), algorithm=cfg.algorithm.adv_estimator)

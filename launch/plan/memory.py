@@ -1,0 +1,199 @@
+"""Bytes per GPU: model state, activations, the vLLM side and the resharding buffers. Pure arithmetic.
+
+Every constant is in one of the three tables below with its source. The per-rank parameter count follows
+our Megatron GPTModel exactly (megatron_workers/model_builder.py: vocab padded to 128*tp, per-group qkv,
+[gate; up] fc1, scalar head for critic / reward model), and tests/test_planner.py checks it, the gradient
+buffer and the optimizer state against the real tensors of a gloo run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from launch.plan.shapes import Shape
+
+GiB = 1024**3
+
+# ---- 1. model state: bytes per parameter ----------------------------------------------------------------------
+# Megatron-Core's distributed optimizer docs (docs.nvidia.com/megatron-core/developer-guide/latest/
+# distrib_optimizer.html), table "theoretical number of bytes per parameter": bf16 params + fp32 grads = 6 + 12/d,
+# fp32 params + fp32 grads = 8 + 8/d (distributed), 18 and 16 without. Split into its parts: the model's params
+# (param dtype), the fp32 grad buffer (our DDP sets grad_reduce_in_fp32=True: megatron_workers/optimizer.py), and
+# the optimizer state, sharded over DP by the distributed optimizer: fp32 main params (only when the params are
+# not fp32 already) + Adam exp_avg and exp_avg_sq in fp32.
+BYTES_PER_PARAM = {
+    "bf16": {"param": 2, "grad": 4, "main_param": 4, "adam": 8},
+    "fp16": {"param": 2, "grad": 4, "main_param": 4, "adam": 8},
+    "fp32": {"param": 4, "grad": 4, "main_param": 0, "adam": 8},
+}
+DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32",
+               "float32": "fp32"}
+
+
+# ---- 2. activations: what each layer saves for backward, per token ------------------------------------------
+@dataclass(frozen=True)
+class KernelProfile:
+    """Which tensors the layer implementation keeps for backward (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", §4, counts them for GPT: 34sbh + 5as^2b bytes per layer in 16-bit
+    with dropout, /t for the TP-split parts, all /t with sequence parallel)."""
+
+    norm_saves_output: bool  # besides its input (and fp32 rstd), the norm keeps its normalised output
+    attention: str  # "flash": saves q, k, v (kv at GQA width), out, fp32 lse; "unfused": see below
+    ffn_tensors: int  # how many F-wide (per TP rank) tensors the SwiGLU MLP keeps
+    source: str
+
+
+KERNEL_PROFILES = {
+    # GPU (Transformer Engine spec): fused RMSNorm+linear keeps input, ln_out and rsigma; flash/cuDNN attention
+    # keeps q, k, v, out and the softmax lse (no s^2 tensor: what Korthikanti's selective recompute buys); fused
+    # bias-SwiGLU keeps the fc1 output (2F) and fc2 its input (F). Korthikanti's GPT adapted: dropout 0 (no masks),
+    # SwiGLU 2F+F instead of GeLU 4h+4h, GQA k/v at num_kv_heads*head_dim. Not measured (no GPU in the CI).
+    "te": KernelProfile(False, "flash", 3, "derived: Korthikanti 2022 §4 adapted to TE kernels, GQA, SwiGLU"),
+    # megatron-core local spec on CPU (torch RMSNorm, unfused DotProductAttention): the norm also keeps x*rstd;
+    # attention repeats k, v to all heads and keeps q, k, v, the softmax output (a*s^2*b) and a bool s^2 mask; the
+    # unfused glu keeps fc1's output, silu's output, the product's operand and fc2's input (5F). Measured with
+    # saved_tensors_hooks (tests/mcore_scripts/plan_measure.py).
+    "local": KernelProfile(True, "unfused", 5, "measured: megatron-core local spec, saved_tensors_hooks"),
+}
+RECOMPUTE_MODES = ("none", "selective", "full")
+# Logits on the last stage: bf16/fp32 logits (param dtype) + the fp32 copy our vocab-parallel log-prob keeps.
+LOGIT_FP32_BYTES = 4
+
+# ---- 3. fixed overheads per GPU ---------------------------------------------------------------------------------
+OVERHEADS = {
+    # CUDA context (~0.5 GiB), NCCL communicators and their buffers for TP/PP/DP/generation groups, and the caching
+    # allocator's fragmentation. An assumption, not measured: 3 GiB is what Megatron/vLLM jobs commonly leave free.
+    "framework_reserve": (3 * GiB, "assumption: CUDA context + NCCL buffers + allocator fragmentation"),
+    # vLLM's own activations during its profile pass and CUDA graphs, outside weights and KV (vLLM logs it as
+    # "activation peak" + "non_torch"); typically 1-3 GiB at 7B-70B. An assumption, not measured here.
+    "vllm_runtime": (2 * GiB, "assumption: vLLM activation peak + CUDA graph pool"),
+}
+
+
+def dtype_key(name: str) -> str:
+    key = DTYPE_NAMES.get(name.lower())
+    if key is None:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPE_NAMES)}")
+    return key
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """Megatron-LM's rule, as model_builder.padded_vocab_size: a multiple of 128 * tp."""
+    multiple = 128 * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+# ---- parameter counts ------------------------------------------------------------------------------------------
+def layer_params(shape: Shape, tp: int) -> int:
+    """One transformer layer on one TP rank."""
+    h, hd, ng, nh, f = shape.hidden_size, shape.head_dim, shape.num_kv_heads, shape.num_heads, shape.ffn_hidden_size
+    qkv_rows = ng // tp * (nh // ng + 2) * hd
+    qkv = qkv_rows * h + (qkv_rows if shape.qkv_bias else 0)
+    proj = h * nh * hd // tp
+    mlp = 2 * f // tp * h + h * f // tp
+    return qkv + proj + mlp + 2 * h  # + input_layernorm and pre_mlp_layernorm (replicated)
+
+
+def stage_params(shape: Shape, tp: int, pp: int, stage: int, scalar_head: bool = False) -> int:
+    """Parameters on one rank of pipeline stage `stage` (Megatron splits layers evenly over stages)."""
+    h = shape.hidden_size
+    vocab_rows = padded_vocab(shape.vocab_size, tp) // tp
+    n = shape.num_layers // pp * layer_params(shape, tp)
+    if stage == 0:
+        n += vocab_rows * h  # word embeddings
+    if stage == pp - 1:
+        n += h  # final norm
+        if scalar_head:
+            n += h  # ScalarHead (1, hidden), replicated (megatron_workers/heads.py)
+        elif not (shape.tie_word_embeddings and pp == 1):
+            n += vocab_rows * h  # output layer (its own weight, or the tied copy Megatron keeps on the last stage)
+    return n
+
+
+def total_params(shape: Shape, scalar_head: bool = False) -> int:
+    """The whole model, unpadded (what vLLM holds over its TP ranks and what the FLOP count uses)."""
+    n = shape.num_layers * layer_params(shape, 1) + shape.vocab_size * shape.hidden_size + shape.hidden_size
+    if scalar_head:
+        return n + shape.hidden_size
+    return n + (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)
+
+
+def state_bytes(n_params: int, dtype: str, trainable: bool, dist_opt: bool, dp: int) -> dict[str, float]:
+    """params / grads / optimizer bytes on one rank holding n_params (table 1)."""
+    b = BYTES_PER_PARAM[dtype_key(dtype)]
+    out = {"params": float(n_params * b["param"]), "grads": 0.0, "optimizer": 0.0}
+    if trainable:
+        out["grads"] = float(n_params * b["grad"])
+        opt = n_params * (b["main_param"] + b["adam"])
+        out["optimizer"] = opt / dp if dist_opt else float(opt)
+    return out
+
+
+# ---- activations -----------------------------------------------------------------------------------------------
+def layer_activations(shape: Shape, tp: int, sp: bool, seq: int, micro: int, elem: int, profile: str,
+                      recompute: str) -> dict[str, float]:
+    """Bytes one layer keeps for backward for one micro-batch of `micro` sequences of `seq` tokens (table 2)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"--recompute {recompute!r} is not one of {RECOMPUTE_MODES}")
+    prof = KERNEL_PROFILES[profile]
+    tokens = seq * micro
+    rep = 1 / tp if sp else 1.0  # the norm / linear-input parts are TP-replicated unless sequence parallel
+    h, q, kv, a = shape.hidden_size, shape.q_width, shape.kv_width, shape.num_heads
+    if recompute == "full":  # Megatron full recompute (uniform, 1 layer per checkpoint) keeps the layer input only
+        return {"layer input (full recompute)": tokens * rep * h * elem}
+    norms = 2 * tokens * rep * (h * elem * (2 if prof.norm_saves_output else 1) + 4)
+    out = {"norms": norms, "linear inputs": 2 * tokens * rep * h * elem}
+    if prof.attention == "flash" or recompute == "selective":
+        # flash keeps q and k/v at GQA width (+ fp32 lse); the selective checkpoint of core attention keeps its
+        # inputs q, k, v only (Megatron recomputes the rest: Korthikanti §5 removes the 5as^2b term)
+        out["attention q,k,v"] = tokens * elem * (q + 2 * kv) / tp
+        out["attention s^2"] = 0.0
+        if prof.attention == "flash" and recompute != "selective":
+            out["attention q,k,v"] += tokens * 4 * a / tp  # lse
+    else:  # unfused: q, and k, v repeated to all heads; softmax output (elem * a*s^2*b / t) and a bool s^2 mask
+        out["attention q,k,v"] = tokens * elem * 3 * q / tp
+        out["attention s^2"] = elem * a / tp * seq * seq * micro + seq * seq
+    out["attention out"] = tokens * elem * q / tp  # linear_proj input (= flash's saved output)
+    out["mlp"] = tokens * elem * prof.ffn_tensors * shape.ffn_hidden_size / tp
+    return out
+
+
+def head_activations(shape: Shape, tp: int, sp: bool, seq: int, micro: int, elem: int, profile: str,
+                     scalar_head: bool) -> dict[str, float]:
+    """The last stage beyond its layers: the final norm, the output layer's input and the logits."""
+    tokens, rep, h = seq * micro, (1 / tp if sp else 1.0), shape.hidden_size
+    prof = KERNEL_PROFILES[profile]
+    out = {"final norm": tokens * rep * (h * elem * (2 if prof.norm_saves_output else 1) + 4),
+           "output input": tokens * rep * h * elem}
+    if not scalar_head:
+        out["logits"] = tokens * padded_vocab(shape.vocab_size, tp) / tp * (elem + LOGIT_FP32_BYTES)
+    return out
+
+
+def chunks_in_flight(pp: int, stage: int, micro_batches: int, vpp: int = 1) -> float:
+    """Micro-batches whose activations a pipeline stage holds at its peak, in units of the stage's layers.
+
+    1F1B: stage k holds min(p - k, m) (Korthikanti §4.2.3: stage 0 holds p). Interleaved with v chunks per
+    stage: Megatron's warmup count (schedules.py: (p - k - 1) * 2 + (v - 1) * p, plus the one in its forward)
+    in chunks of L/(p*v) layers; for stage 0 that is L * (1 + (p - 1)/(p*v)) layers' worth."""
+    if vpp <= 1:
+        return float(min(pp - stage, micro_batches))
+    chunks = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp)
+    return chunks / vpp
+
+
+# ---- the generation side ----------------------------------------------------------------------------------------
+def kv_bytes_per_token(shape: Shape, t_g: int, elem: int) -> float:
+    """K and V of every layer for one token on one generation rank: 2 * L * kv_heads * head_dim * bytes / t_g
+    (vLLM replicates KV heads when t_g > kv_heads: each rank keeps at least one)."""
+    heads_per_rank = max(shape.num_kv_heads / t_g, 1.0)
+    return 2 * shape.num_layers * heads_per_rank * shape.head_dim * elem
+
+
+def reshard_peak_bytes(shape: Shape, t_g: int, elem: int, bucket_bytes: int) -> float:
+    """The 3D-HybridEngine's memory beyond the training shards while it reshards: one bucket of new generation
+    shards + staging (hybridflow/resharding/engine.py), but at least the largest single parameter's generation
+    shard twice (a bucket holds >= 1 parameter): the vocab-parallel embedding / output layer."""
+    largest = max(shape.vocab_size * shape.hidden_size, 2 * shape.ffn_hidden_size * shape.hidden_size) / t_g * elem
+    return max(float(bucket_bytes), 2 * largest)
