@@ -294,13 +294,18 @@ def test_shape_from_config_json_wins_and_reward_models_read_as_their_body(tmp_pa
     assert resolve_shape("m", "/nowhere/Meta-Llama-3-8B-Instruct").num_layers == 32  # the table, by basename
 
 
-def test_split_placement_plans_one_pool_per_role():
+def test_presets_plan_the_trainers_pools():
     recipe = REPO / "configs/recipes/qwen2_7b_ppo_1node.yaml"
     colo = make_plan(recipe, [], Options())
+    alone = make_plan(recipe, ["trainer.placement=standalone"], Options())
     split = make_plan(recipe, ["trainer.placement=split"], Options())
-    assert colo.job.total_gpus == 8 and split.job.total_gpus == 8 * 3  # actor_rollout, ref, critic
-    for phase in split.memory.phases:  # a pool's stage only holds its own roles
-        pool_roles = {r for r, role in split.job.roles.items() if role.pool == phase.pool} | {"gpu", "rollout"}
-        assert {r for r, _, _ in phase.items} <= pool_roles
-    assert split.memory.peak.total < colo.memory.peak.total + 1
-    assert split.tokens_per_gpu_s == pytest.approx(colo.tokens_per_gpu_s * colo.step_s / split.step_s / 3)
+    assert colo.job.total_gpus == 8 and alone.job.total_gpus == 8 * 3  # actor_rollout, ref, critic
+    assert split.job.pools == ["actor_ref", "critic_rm"] and split.job.total_gpus == 8 * 2
+    for plan in (alone, split):
+        for phase in plan.memory.phases:  # a pool's stage only holds its own roles
+            pool_roles = {r for r, role in plan.job.roles.items() if role.pool == phase.pool} | {"gpu", "rollout"}
+            assert {r for r, _, _ in phase.items} <= pool_roles
+    assert alone.memory.peak.total < colo.memory.peak.total + 1
+    assert alone.tokens_per_gpu_s == pytest.approx(colo.tokens_per_gpu_s * colo.step_s / alone.step_s / 3)
+    with pytest.raises(PlanInputError, match="trainer.resource_pools: the planner models the presets"):
+        make_plan(recipe, ["trainer.resource_pools.a=[8]", "trainer.role_pools.actor_rollout=a"], Options())

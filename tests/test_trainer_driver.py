@@ -224,24 +224,31 @@ def test_placement_checks(model_dirs):
                 "actor_rollout_ref.actor.use_kl_loss=true"]
     with pytest.raises(ValueError, match=r"actor_rollout_ref.ref.megatron \(tp, pp, cp\)=\(1, 1, 1\) must equal"):
         _validate(model_dirs, *mismatch)
-    _validate(model_dirs, *mismatch, "trainer.placement=split")  # its own processes: any layout that fits
+    _validate(model_dirs, *mismatch, "trainer.placement=standalone")  # its own processes: any layout that fits
+    with pytest.raises(ValueError, match=r"shares the actor's pool 'actor_ref'.*\(1, 1, 1\) must equal"):
+        _validate(model_dirs, *mismatch, "trainer.placement=split")  # the paper's split: ref with the actor
     with pytest.raises(ValueError, match=r"critic.megatron tp\*pp\*cp=4"):
         _validate(model_dirs, "critic.enable=true", "critic.megatron.tensor_model_parallel_size=4")
     with pytest.raises(ValueError, match=r"actor_rollout_ref.ref.megatron tp\*pp\*cp=4"):
-        _validate(model_dirs, *mismatch, "trainer.placement=split",
+        _validate(model_dirs, *mismatch, "trainer.placement=standalone",
                   "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=4")
 
 
-def test_split_gives_every_role_its_own_pool_within_the_local_cpu_budget(model_dirs):
+def test_presets_place_roles_as_the_paper_within_the_local_cpu_budget(model_dirs):
     from hybridflow.trainer.main import make_pools
 
     roles = ["actor_rollout", "ref", "critic", "reward_model"]
+    standalone = make_pools(_validate(model_dirs, "trainer.placement=standalone"), roles)
+    assert len({id(p) for p in standalone.values()}) == 4 and all(p.max_colocate == 1 for p in standalone.values())
     split = make_pools(_validate(model_dirs, "trainer.placement=split"), roles)
-    assert len({id(p) for p in split.values()}) == 4 and all(p.max_colocate == 1 for p in split.values())
+    assert split["actor_rollout"] is split["ref"] and split["critic"] is split["reward_model"]
+    assert split["actor_rollout"] is not split["critic"]
+    # the ref on the actor's pool runs in the actor's processes: one group per bundle there, two on critic_rm
+    assert (split["actor_rollout"].max_colocate, split["critic"].max_colocate) == (1, 2)
     colocated = make_pools(_validate(model_dirs), roles)
-    assert len({id(p) for p in colocated.values()}) == 1
-    # main.py starts a local cluster with max(16, cores) logical CPUs: both layouts must fit on a 2-core box.
-    for pools in (split, colocated):
+    assert len({id(p) for p in colocated.values()}) == 1 and colocated["critic"].max_colocate == 3
+    # main.py starts a local cluster with max(16, cores) logical CPUs: every layout must fit on a 2-core box.
+    for pools in (standalone, split, colocated):
         reserved = sum(p.cpus_per_proc * p.max_colocate * p.world_size for p in {id(p): p for p in pools.values()}
                        .values())
         assert reserved <= 16, reserved

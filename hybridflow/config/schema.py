@@ -209,10 +209,17 @@ class TrainerConfig:
     max_ckpt_to_keep: int | None = 2
     resume_mode: str = "auto"  # auto | disable | <path>
     default_local_dir: str = "runs/${trainer.experiment_name}"
-    # colocate: every role's workers share the actor's bundles (one pool; the ref lives in the actor's processes).
-    # split: a pool per role: actor+rollout (the hybrid engine), ref, critic, reward model; each pool has
-    # nnodes x n_gpus_per_node processes, so the cluster needs that many devices per pool.
+    # The HybridFlow paper's placements, presets over resource_pools (hybridflow/trainer/placement.py), each
+    # pool nnodes x n_gpus_per_node processes: colocate (one pool for every role; the ref lives in the actor's
+    # processes), split (actor+rollout+ref on one pool, critic+reward model on another), standalone (a pool per
+    # role; what `split` meant before, see README 'Placement').
     placement: str = "colocate"
+    # verl's resource_pool_spec: {pool name: [processes on node 0, on node 1, ...]}; when set it replaces
+    # `placement`, and role_pools must name the pool of every role the job runs (unused pools are an error).
+    resource_pools: dict[str, list[int]] = field(default_factory=dict)
+    # {actor_rollout | ref | critic | reward_model: pool name}. Roles on one pool share its bundles (the ref on
+    # the actor's pool runs inside the actor's processes and must use the actor's tp/pp/cp).
+    role_pools: dict[str, str] = field(default_factory=dict)
     rollout_data_dir: str | None = None  # write each step's samples to <dir>/step_<N>.jsonl (verl's key)
     device_peak_flops: float | None = None  # per device, for perf/mfu/actor; None: a table for known devices
     # Validation on data.val_files: before the first step (logged at the current step, 0 on a fresh run),

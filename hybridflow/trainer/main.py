@@ -1,7 +1,8 @@
 """Entry point: python -m hybridflow.trainer.main --config configs/ppo_tiny_cpu.yaml [key=value ...]
 
 Validates the whole config and the data before any Ray worker starts, then
-builds the worker groups (trainer.placement: colocate, the default, or split) and runs the loop.
+builds the worker groups on their resource pools (hybridflow/trainer/placement.py: trainer.placement
+colocate | split | standalone, or trainer.resource_pools + trainer.role_pools) and runs the loop.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from hybridflow.config.schema import HybridFlowConfig
 log = logging.getLogger("hybridflow")
 
 
-PLACEMENTS = ("colocate", "split")
-
 
 def _hf_config(key: str, path: str) -> dict:
     """The config.json of the HF directory named by config key `key`, or an error naming the key."""
@@ -30,13 +29,19 @@ def _hf_config(key: str, path: str) -> dict:
         return json.load(fh)
 
 
-def _role_dims(key: str, m, world: int, hf_config: dict):
-    """A role's Megatron mesh on `world` processes, checked against its model; errors name `key` (its megatron)."""
+def _role_dims(key: str, m, world: int, hf_config: dict, pool: str | None = None):
+    """A role's Megatron mesh on `world` processes, checked against its model; errors name `key` (its megatron)
+    and `pool` (Placement.describe: the role's pool and its size)."""
     from hybridflow.parallel.dims import LayoutError, ModelShape, ParallelDims
 
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    if tp < 1 or pp < 1 or cp < 1 or world % (tp * pp * cp):
-        raise ValueError(f"trainer.n_gpus_per_node*nnodes={world} is not divisible by {key} tp*pp*cp={tp}*{pp}*{cp}")
+    where = pool or f"trainer.n_gpus_per_node*nnodes={world}"
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ValueError(f"{key} tp*pp*cp={tp}*{pp}*{cp}: each must be >= 1")
+    if tp * pp * cp > world:
+        raise ValueError(f"{key} tp*pp*cp={tp}*{pp}*{cp}={tp * pp * cp} processes is larger than its {where}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"{key} tp*pp*cp={tp}*{pp}*{cp} does not divide the {world} processes of its {where}")
     try:
         return ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel).validate(
             world, ModelShape.from_hf_config(hf_config))
@@ -47,6 +52,27 @@ def _role_dims(key: str, m, world: int, hf_config: dict):
 def needs_ref(cfg: HybridFlowConfig) -> bool:
     """The reference model is only run for a KL term (in the reward or in the loss)."""
     return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
+def job_roles(cfg: HybridFlowConfig) -> list[str]:
+    """The roles this job runs (hybridflow.trainer.placement.ROLES), actor_rollout first."""
+    from hybridflow.algorithms import needs_critic
+
+    critic = cfg.critic.enable if cfg.critic.enable is not None else needs_critic(cfg.algorithm.adv_estimator)
+    return (["actor_rollout"] + (["ref"] if needs_ref(cfg) else []) + (["critic"] if critic else [])
+            + (["reward_model"] if cfg.reward_model.enable else []))
+
+
+def placement_of(cfg: HybridFlowConfig):
+    """The job's Placement (pools and role map); errors name the trainer key. Also what launch.plan plans."""
+    from hybridflow.trainer import placement as P
+
+    if cfg.trainer.placement == "split" and not cfg.trainer.resource_pools:
+        log.warning("%s", P.MIGRATION)
+    try:
+        return P.resolve(cfg.trainer, job_roles(cfg))
+    except P.PlacementError as e:
+        raise ValueError(str(e)) from None
 
 
 def validate(cfg: HybridFlowConfig) -> None:
@@ -67,12 +93,11 @@ def validate(cfg: HybridFlowConfig) -> None:
 
     if a.rollout.name not in ENGINES:
         raise ValueError(f"actor_rollout_ref.rollout.name={a.rollout.name!r}; choose one of {', '.join(ENGINES)}")
-    if cfg.trainer.placement not in PLACEMENTS:
-        raise ValueError(f"trainer.placement={cfg.trainer.placement!r}; choose one of {', '.join(PLACEMENTS)}")
-    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    dims = _role_dims("actor_rollout_ref.actor.megatron", a.actor.megatron, world, actor_hf)
+    place = placement_of(cfg)
+    dims = _role_dims("actor_rollout_ref.actor.megatron", a.actor.megatron, place.world("actor_rollout"), actor_hf,
+                      place.describe("actor_rollout"))
     GenerationDims(a.rollout.tensor_model_parallel_size).validate(dims, ModelShape.from_hf_config(actor_hf))
-    _validate_ref(cfg, world, actor_hf)
+    _validate_ref(cfg, place, actor_hf)
     rows = cfg.data.train_batch_size
     if rows % dims.dp:
         raise ValueError(f"data.train_batch_size={rows} is not divisible by the actor dp size {dims.dp}")
@@ -87,12 +112,12 @@ def validate(cfg: HybridFlowConfig) -> None:
         cfg.critic.model.path = a.model.path
     if cfg.critic.enable:
         critic_hf = _hf_config("critic.model.path", cfg.critic.model.path)
-        _role_dims("critic.megatron", cfg.critic.megatron, world, critic_hf)
+        _role_dims("critic.megatron", cfg.critic.megatron, place.world("critic"), critic_hf, place.describe("critic"))
     _validate_verl_shared_keys(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and a.rollout.n < 2:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
                          f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
-    _validate_reward_model(cfg, world, actor_hf)
+    _validate_reward_model(cfg, place, actor_hf)
     _validate_validation(cfg)
 
 
@@ -192,22 +217,25 @@ def _validate_validation(cfg: HybridFlowConfig) -> None:
         log.warning("%s.do_sample=false with n=%d: greedy gives %d identical samples per prompt", key, vk.n, vk.n)
 
 
-def _validate_ref(cfg: HybridFlowConfig, world: int, actor_hf: dict) -> None:
-    """Colocated, the ref shares the actor's processes and Megatron groups; split, it only has to fit its pool."""
+def _validate_ref(cfg: HybridFlowConfig, place, actor_hf: dict) -> None:
+    """On the actor's pool the ref runs in the actor's processes and Megatron groups (same tp/pp/cp); on a pool
+    of its own it only has to fit that pool. Without a KL term there is no ref to place."""
     a = cfg.actor_rollout_ref
-    if cfg.trainer.placement == "split":
-        if needs_ref(cfg):
-            _role_dims("actor_rollout_ref.ref.megatron", a.ref.megatron, world, actor_hf)
+    if "ref" not in place.role_pools:
+        return
+    if not place.shares_actor_pool("ref"):
+        _role_dims("actor_rollout_ref.ref.megatron", a.ref.megatron, place.world("ref"), actor_hf,
+                   place.describe("ref"))
         return
     layout = lambda m: (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size)
     if layout(a.ref.megatron) != layout(a.actor.megatron):
-        raise ValueError(f"trainer.placement=colocate runs the ref in the actor's processes, so "
-                         f"actor_rollout_ref.ref.megatron (tp, pp, cp)={layout(a.ref.megatron)} must equal "
+        raise ValueError(f"the ref shares the actor's {place.describe('ref')} and runs in the actor's processes, "
+                         f"so actor_rollout_ref.ref.megatron (tp, pp, cp)={layout(a.ref.megatron)} must equal "
                          f"actor_rollout_ref.actor.megatron's {layout(a.actor.megatron)} "
-                         "(or use trainer.placement=split)")
+                         "(or give the ref a pool of its own: trainer.placement=standalone, or trainer.role_pools.ref)")
 
 
-def _validate_reward_model(cfg: HybridFlowConfig, world: int, actor_hf: dict) -> None:
+def _validate_reward_model(cfg: HybridFlowConfig, place, actor_hf: dict) -> None:
     from hybridflow.rewards.manager import REWARD_MODES
 
     rm = cfg.reward_model
@@ -220,7 +248,8 @@ def _validate_reward_model(cfg: HybridFlowConfig, world: int, actor_hf: dict) ->
     except FileNotFoundError as e:
         hint = "python -m hybridflow.models.tiny --reward-model --out DIR writes a tiny one"
         raise FileNotFoundError(f"{e} (reward_model.enable=true needs an HF reward model directory; {hint})") from None
-    _role_dims("reward_model.megatron", rm.megatron, world, rm_hf)
+    _role_dims("reward_model.megatron", rm.megatron, place.world("reward_model"), rm_hf,
+               place.describe("reward_model"))
     # The reward model reads the policy's token ids as they are: it must know every id the policy can emit.
     if rm_hf.get("vocab_size", 0) < actor_hf.get("vocab_size", 0):
         raise ValueError(f"reward_model.model.path: vocab_size {rm_hf.get('vocab_size')} is smaller than the "
@@ -229,37 +258,44 @@ def _validate_reward_model(cfg: HybridFlowConfig, world: int, actor_hf: dict) ->
         raise ValueError(f"reward_model.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must be >= 1")
 
 
-def make_pools(cfg: HybridFlowConfig, roles: list[str]) -> dict:
-    """The ResourcePool of each role. colocate: one pool whose bundles the groups share (up to 3 groups
-    per bundle: actor+rollout+ref, critic, reward model). split: one pool per role, one group per bundle.
+def make_pools(cfg: HybridFlowConfig, roles: list[str], place=None) -> dict:
+    """The ResourcePool of each role in `roles` (Placement: trainer.placement or trainer.resource_pools).
 
-    Ray's CPUs are logical here (see build_and_run), so 4 split pools of 2 processes fit a 2-core box.
+    Roles mapped to one pool share one ResourcePool, whose bundles hold one process of each group on it
+    (max_colocate); the ref on the actor's pool is no group of its own (it runs in the actor's processes).
+    Ray's CPUs are logical here (see build_and_run), so 4 standalone pools of 2 processes fit a 2-core box.
     Pools reserve nothing until a group is built on them.
     """
     from hybridflow.controller import ResourcePool
+    from hybridflow.trainer import placement as P
 
-    procs = [cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes
-    timeout = cfg.trainer.ray.timeout_s
-    if cfg.trainer.placement == "colocate":
-        shared = ResourcePool("colocated", procs, max_colocate=3, timeout_s=timeout)
-        return {role: shared for role in roles}
-    return {role: ResourcePool(role, procs, max_colocate=1, timeout_s=timeout) for role in roles}
+    if place is None:
+        try:
+            place = P.resolve(cfg.trainer, roles)
+        except P.PlacementError as e:
+            raise ValueError(str(e)) from None
+    groups = lambda pool: [r for r in place.roles_on(pool) if not (r == "ref" and place.shares_actor_pool("ref"))]
+    pools = {name: ResourcePool(name, list(procs), max_colocate=max(1, len(groups(name))),
+                                timeout_s=cfg.trainer.ray.timeout_s)
+             for name, procs in place.pools.items()}
+    return {role: pools[place.pool_of(role)] for role in roles}
 
 
-def build_groups(cfg: HybridFlowConfig) -> dict:
+def build_groups(cfg: HybridFlowConfig, place=None) -> dict:
     """Every worker group the job needs, initialised: {"actor_rollout", "ref", "critic", "reward_model"}.
 
-    colocate: the actor group also hosts the ref (role actor_rollout_ref) and "ref" is None.
-    split: the ref is an ActorRolloutRefWorker of role "ref" in its own pool (only when a KL term needs it).
+    The ref on the actor's pool is hosted by the actor group (role actor_rollout_ref) and "ref" is None;
+    on a pool of its own it is an ActorRolloutRefWorker of role "ref" (only when a KL term needs it).
     """
     from hybridflow.controller import RayWorkerGroup
     from megatron_workers.actor_rollout_ref import ActorRolloutRefWorker
 
     a = cfg.actor_rollout_ref
-    split = cfg.trainer.placement == "split"
-    actor_role = "actor_rollout" if split else "actor_rollout_ref"
+    place = place or placement_of(cfg)
+    separate_ref = "ref" in place.role_pools and not place.shares_actor_pool("ref")
+    actor_role = "actor_rollout_ref" if "ref" in place.role_pools and not separate_ref else "actor_rollout"
     specs = {"actor_rollout": (ActorRolloutRefWorker, (to_dict(a), actor_role), actor_role)}
-    if split and needs_ref(cfg):
+    if separate_ref:
         specs["ref"] = (ActorRolloutRefWorker, (to_dict(a), "ref"), "ref")
     if cfg.critic.enable:
         from megatron_workers.critic import CriticWorker
@@ -269,9 +305,10 @@ def build_groups(cfg: HybridFlowConfig) -> dict:
         from megatron_workers.reward_model import RewardModelWorker
 
         specs["reward_model"] = (RewardModelWorker, (to_dict(cfg.reward_model),), "reward_model")
-    pools = make_pools(cfg, list(specs))
-    log.info("trainer.placement=%s: %s", cfg.trainer.placement,
-             ", ".join(f"{name} in pool '{pools[name].name}'" for name in specs))
+    pools = make_pools(cfg, list(place.role_pools), place)
+    log.info("%s: %s%s", place.source, ", ".join(f"{name} in pool '{pools[name].name}' {pools[name].procs_per_node}"
+                                                 for name in specs),
+             " (the ref in the actor's processes)" if actor_role == "actor_rollout_ref" else "")
     env = {"TOKENIZERS_PARALLELISM": "false"}
     groups = {name: RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s)
               for name, (cls, args, role) in specs.items()}
@@ -285,6 +322,15 @@ def build_groups(cfg: HybridFlowConfig) -> dict:
 
 def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     """Build every worker group and run the loop; `validated`: main() already ran validate(cfg)."""
+    trainer = build_trainer(cfg, validated)
+    history = trainer.fit()
+    trainer.finish(history)
+    return history
+
+
+def build_trainer(cfg: HybridFlowConfig, validated: bool = False):
+    """Validate (unless `validated`), start Ray, build the data, reward and every worker group on its pool:
+    a RayPPOTrainer ready to fit(). The caller owns the Ray session (launch.benchmark reads the groups after)."""
     from transformers import AutoTokenizer
 
     from hybridflow.controller import init_ray
@@ -313,13 +359,13 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     num_cpus = r.num_cpus or (None if r.address else max(16, os.cpu_count() or 1))
     save_resolved(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
-    groups = build_groups(cfg)
+    place = placement_of(cfg)
+    groups = build_groups(cfg, place)
     trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
                             ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset)
+    trainer.n_devices = place.n_devices  # every pool's processes: verl's perf/throughput divides by them
     trainer.n_params = _count_params(a.model.path)
-    history = trainer.fit()
-    trainer.finish(history)
-    return history
+    return trainer
 
 
 def _count_params(path: str) -> int:

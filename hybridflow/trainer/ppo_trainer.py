@@ -6,7 +6,8 @@
 Validation (`validate`, timer `testing`) reuses gen -> [rm] -> reward on data.val_files with the
 val_kwargs sampling, before the first step and every trainer.test_freq steps.
 
-With trainer.placement=split the ref is its own worker group; with colocate it is the actor's.
+With the ref on a pool of its own (trainer.placement=standalone, or trainer.role_pools) it is its own worker
+group; on the actor's pool (colocate, split) it runs in the actor's processes.
 
 Everything heavy runs in the SPMD worker groups; the driver only holds batches,
 computes rewards and advantages, and logs.
@@ -65,7 +66,7 @@ def skips_old_log_prob(cfg: HybridFlowConfig) -> bool:
 class RayPPOTrainer:
     def __init__(self, cfg: HybridFlowConfig, tokenizer, train_dataset, sampler, reward_fn, actor_rollout_ref,
                  critic=None, ref=None, reward_model=None, val_dataset=None):
-        """`ref`: the reference group under split placement; None means the actor group hosts it (colocate).
+        """`ref`: the reference group on its own pool; None means the actor group hosts it (its pool).
         `reward_model`: a RewardModelWorker group, or None for rule/user scores only.
         `val_dataset`: an RLDataset of data.val_files, or None when no validation is configured."""
         self.cfg = cfg

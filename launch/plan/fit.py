@@ -3,7 +3,8 @@
 The step runs its stages one after another (hybridflow/trainer/ppo_trainer.py). In a stage the active role holds
 everything it owns (Offloader.resident() reloads it), idle roles hold what they do not offload
 (MegatronConfig.param_offload / grad_offload / optimizer_offload), and vLLM holds weights and KV cache only while it
-generates (it is released after generation). Colocated, all roles share the same GPUs; split, each pool has its own.
+generates (it is released after generation). Colocated, all roles share the same GPUs; on separate pools (split,
+standalone), each pool has its own.
 The worst pipeline stage is taken for each role (stage 0 holds the most micro-batches in flight, the last stage the
 logits, the first the embedding).
 """

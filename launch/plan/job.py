@@ -83,7 +83,7 @@ class Job:
 
     @property
     def total_gpus(self) -> int:
-        return self.world * len(self.pools)
+        return self.world * len(self.pools)  # the presets: every pool nnodes x n_gpus_per_node
 
     @property
     def sequences(self) -> int:
@@ -161,9 +161,18 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
         dtype = dtype_key(dtype_name)
     except ValueError as e:
         raise PlanInputError(f"actor_rollout_ref.model.dtype / --dtype: {e}") from None
-    if t.placement not in ("colocate", "split"):
-        raise PlanInputError(f"trainer.placement={t.placement!r}; choose colocate or split")
-    split = t.placement == "split"
+    from hybridflow.trainer import placement as P
+    from hybridflow.trainer.main import job_roles
+
+    if t.resource_pools:
+        raise PlanInputError("trainer.resource_pools: the planner models the presets (trainer.placement=colocate | "
+                             "split | standalone, every pool nnodes x n_gpus_per_node), not pools of other sizes yet")
+    try:  # the trainer's own role -> pool map, so the planner and the job place roles alike
+        place = P.resolve(t, job_roles(cfg))
+    except P.PlacementError as e:
+        raise PlanInputError(str(e)) from None
+    pool = place.role_pools.get
+    own_ref = not place.shares_actor_pool("ref")  # the ref on a pool of its own, with its own mesh
     actor_shape = resolve_shape("actor_rollout_ref.model.path", a.model.path)
     key = "actor_rollout_ref.actor.megatron"
     actor_dims = _dims(key, a.actor.megatron, world, actor_shape)
@@ -185,14 +194,14 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
                           a.actor.megatron.use_distributed_optimizer, off, off_keys,
                           a.actor.ppo_micro_batch_size_per_gpu,
                           a.rollout.log_prob_micro_batch_size_per_gpu, a.actor.ppo_mini_batch_size, a.actor.ppo_epochs,
-                          "actor_rollout" if split else "colocated")
+                          pool("actor_rollout"))
     if needs_ref(cfg):
-        ref_m = a.ref.megatron if split else a.actor.megatron  # colocated, the ref shares the actor's mesh
+        ref_m = a.ref.megatron if own_ref else a.actor.megatron  # on the actor's pool, the ref shares its mesh
         rkey = "actor_rollout_ref.ref.megatron"
         off, off_keys = _offload(rkey, a.ref.megatron)
         roles["ref"] = Role("ref", "actor_rollout_ref.ref", actor_shape, _dims(rkey, ref_m, world, actor_shape),
                             False, False, False, off, off_keys, 0, a.ref.log_prob_micro_batch_size_per_gpu, 0, 0,
-                            "ref" if split else "colocated")
+                            pool("ref"))
     critic_on = cfg.critic.enable if cfg.critic.enable is not None else needs_critic(cfg.algorithm.adv_estimator)
     if critic_on:
         c = cfg.critic
@@ -202,7 +211,7 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
                                True, c.megatron.use_distributed_optimizer, off, off_keys,
                                c.ppo_micro_batch_size_per_gpu,
                                c.ppo_micro_batch_size_per_gpu, c.ppo_mini_batch_size, c.ppo_epochs,
-                               "critic" if split else "colocated")
+                               pool("critic"))
     if cfg.reward_model.enable:
         rm = cfg.reward_model
         shape = resolve_shape("reward_model.model.path", rm.model.path)
@@ -210,7 +219,7 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
         roles["reward_model"] = Role("reward_model", "reward_model", shape,
                                      _dims("reward_model.megatron", rm.megatron, world, shape), False, True, False, off,
                                      off_keys, 0, rm.micro_batch_size_per_gpu, 0, 0,
-                                     "reward_model" if split else "colocated")
+                                     pool("reward_model"))
     return Job(roles=roles, t_g=a.rollout.tensor_model_parallel_size, n=a.rollout.n, prompts=rows,
                prompt_len=cfg.data.max_prompt_length, response_len=a.rollout.response_length,
                kv_cache_bytes=kv_cache_bytes(a.rollout, actor_shape, dtype, device),
