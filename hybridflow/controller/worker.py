@@ -103,6 +103,18 @@ class WorkerHost:
     def set_env(self, env: dict[str, str]) -> None:
         os.environ.update({k: str(v) for k, v in env.items()})
 
+    def peak_memory(self) -> dict:
+        """This process's peak memory so far: resident set (Linux ru_maxrss) and, when CUDA was used, the peak
+        bytes torch allocated on the device (what the caching allocator handed out, not what it reserved)."""
+        import resource
+        import sys
+
+        out = {"rss_peak_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
+        torch = sys.modules.get("torch")  # never import torch (or touch CUDA) just to ask
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["device_peak_bytes"] = float(torch.cuda.max_memory_allocated())
+        return out
+
     def ping(self) -> dict:
         import ray
 

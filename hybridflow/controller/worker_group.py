@@ -203,6 +203,11 @@ class RayWorkerGroup:
             results[ref] = value
         return [results[r] for r in refs]
 
+    def peak_memory(self) -> list[dict]:
+        """Each rank's peak memory so far (WorkerHost.peak_memory), in rank order."""
+        return self._wait("peak_memory", [h.peak_memory.remote() for h in self._hosts], list(range(self.world_size)),
+                          None, raw=True)
+
     def kill(self) -> None:
         import ray
 

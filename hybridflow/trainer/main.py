@@ -364,11 +364,12 @@ def build_trainer(cfg: HybridFlowConfig, validated: bool = False):
     trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
                             ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset)
     trainer.n_devices = place.n_devices  # every pool's processes: verl's perf/throughput divides by them
-    trainer.n_params = _count_params(a.model.path)
+    trainer.n_params = count_params(a.model.path)
     return trainer
 
 
-def _count_params(path: str) -> int:
+def count_params(path: str) -> int:
+    """Parameters in an HF directory's safetensors files (read from the headers, no weights loaded)."""
     from safetensors import safe_open
 
     total = 0

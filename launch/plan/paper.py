@@ -25,6 +25,10 @@ PUBLISHED = {
     "verl_grpo_qwen2_7b": (2467.0, "verl v0.6.0 published: GRPO Qwen2-7B, 8 H100"),
 }
 
+# Our recipes (configs/recipes/) that reproduce a published setting, and the PUBLISHED key of its figure
+# (verl's perf/throughput, tokens/GPU/s); launch.benchmark shows the figure beside a run of the recipe.
+RECIPE_PUBLISHED = {"qwen2_7b_ppo_1node.yaml": "verl_ppo_qwen2_7b", "qwen2_7b_grpo_1node.yaml": "verl_grpo_qwen2_7b"}
+
 # The paper's testbed (§8.1): 16 machines x 8 A100-80GB, NVLink inside a machine, 200 Gb/s between machines.
 PAPER_GPU, PAPER_INTERNODE_GBPS = "a100", 200.0
 # §8.1 workload: prompt and response 1024 tokens, 1024 prompts per step, actor/critic/ref/reward all the same size.
@@ -151,8 +155,7 @@ def verl_cases() -> list[dict]:
 
     recipes = Path(__file__).resolve().parents[2] / "configs" / "recipes"
     out = []
-    for key, recipe in (("verl_ppo_qwen2_7b", "qwen2_7b_ppo_1node.yaml"), ("verl_grpo_qwen2_7b",
-                                                                              "qwen2_7b_grpo_1node.yaml")):
+    for recipe, key in RECIPE_PUBLISHED.items():
         published, source = PUBLISHED[key]
         plan = make_plan(recipes / recipe, [], Options(gpu="h100"))
         out.append(case(f"{source} (tokens/GPU/s)", plan.tokens_per_gpu_s, published,

@@ -1,0 +1,60 @@
+"""Command line of launch.benchmark (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from launch.benchmark import __doc__ as DOC
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m launch.benchmark", description=DOC.split("\n\n")[1],
+                                 usage=DOC.split("\n\n")[0])
+    ap.add_argument("config", nargs="?", help="a HybridFlow YAML config (configs/*.yaml, configs/recipes/*.yaml)")
+    ap.add_argument("overrides", nargs="*", help="dotlist overrides, as the trainer takes them")
+    ap.add_argument("--warmup", type=int, default=10, help="warm-up steps, not timed (the paper's 10)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (the paper's 5)")
+    ap.add_argument("--out", default=None, help="also write the result JSON to this file")
+    ap.add_argument("--compare", nargs="+", metavar="RESULT", default=None,
+                    help="result files (--out, or a benchmark's captured output) to print side by side")
+    args = ap.parse_args(argv)
+    if args.compare is None and not args.config:
+        ap.error("give a CONFIG to run, or --compare RESULT ...")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from launch.benchmark.report import compare, load_result, render
+
+    args = parse_args(argv)
+    if args.compare is not None:
+        try:
+            results = {Path(p).stem: load_result(p) for p in args.compare}
+        except (OSError, ValueError) as e:
+            print(f"benchmark: {e}", file=sys.stderr)
+            return 2
+        print(compare(results))
+        return 0
+    from launch.benchmark.run import run_benchmark
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        result = run_benchmark(args.config, args.overrides, args.warmup, args.steps)
+    except (ValueError, FileNotFoundError, KeyError) as e:  # config errors, raised before any worker starts
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(render(result))
+    line = json.dumps(result, sort_keys=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(line + "\n")
+    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""launch.benchmark's pure parts on hand-built step metrics: the stage table, the totals, --compare, the pins.
+(The real run, its JSON and --compare on it: tests/test_e2e_placement.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launch.benchmark.report import compare, load_result, render
+from launch.benchmark.run import bench_overrides
+from launch.benchmark.stages import summarize
+
+
+def _row(gen, reshard, values, update_actor, step, tokens=1000.0, devices=4):
+    return {"timing_s/gen": gen, "timing_s/reshard": reshard, "timing_s/reward": 0.5, "timing_s/values": values,
+            "timing_s/update_actor": update_actor, "perf/time_per_step": step, "perf/total_num_tokens": tokens,
+            "perf/throughput": tokens / (step * devices), "perf/aggregate_throughput": tokens / step}
+
+
+def test_stage_table_by_hand():
+    rows = [_row(4.0, 1.0, 1.0, 3.0, 9.0), _row(6.0, 2.0, 2.0, 5.0, 14.0)]
+    out = summarize(rows, {"actor_rollout": 2, "critic": 1}, {"actor": 1_000_000, "critic": 500_000},
+                    {"actor": 2, "critic": 1}, n_devices=4, peak_flops=1e12)
+    s, t = out["stages"], out["totals"]
+    assert list(s) == ["gen", "transition", "reward", "values", "update_actor"]  # table order, ran stages only
+    assert (s["gen"]["mean_s"], s["gen"]["min_s"]) == (3.5, 3.0)  # generation without the transition inside it
+    assert (s["transition"]["mean_s"], s["transition"]["min_s"]) == (1.5, 1.0)
+    assert s["update_actor"]["share"] == pytest.approx(4.0 / 11.5)
+    assert s["values"]["tokens_per_s_per_device"] == pytest.approx(1000 / 1.5)  # the critic's 1-process pool
+    assert s["reward"]["devices"] == 4  # the driver's stage: every device waits
+    # 2 * 1e6 params * 1000 tokens * 3 passes * 2 epochs / (4 s * 2 devices * 1e12)
+    assert s["update_actor"]["mfu"] == pytest.approx(12e9 / 8e12)
+    assert s["values"]["mfu"] == pytest.approx(1e9 / 1.5e12) and s["reward"]["mfu"] is None
+    assert t["step_mean_s"] == 11.5 and t["step_min_s"] == 9.0
+    assert t["untimed_s"] == pytest.approx(11.5 - (3.5 + 1.5 + 0.5 + 1.5 + 4.0))
+    assert t["throughput_per_device"] == pytest.approx((1000 / 36 + 1000 / 56) / 2)
+    with pytest.raises(ValueError, match="no timed steps"):
+        summarize([], {}, {}, {}, 1, 1.0)
+
+
+def _result(step_s: float, published=None) -> dict:
+    out = summarize([_row(4.0, 1.0, 1.0, 3.0, step_s)], {"actor_rollout": 2}, {"actor": 10}, {}, 2, 1e12)
+    return {"benchmark": "launch.benchmark", "config": "c.yaml", "overrides": [], "warmup": 1, "steps": 1, **out,
+            "peak_memory": {"actor_rollout_ref": {"rss_peak_bytes": 2**30}},
+            "layout": {"source": "trainer.placement=colocate", "pools": {"colocated": [2]}, "rollout_tp": 1,
+                       "roles": {"actor_rollout": {"pool": "colocated", "tp": 2, "pp": 1, "cp": 1, "dp": 1}},
+                       "n_devices": 2},
+            "peak_flops": {"per_device": 1e12, "source": "test"}, "published": published, "device": "CPU",
+            "git": {"commit": "0123456789abcdef", "dirty": False}}
+
+
+def test_compare_side_by_side_with_a_published_figure(tmp_path):
+    from launch.plan.paper import PUBLISHED, RECIPE_PUBLISHED
+
+    value, source = PUBLISHED[RECIPE_PUBLISHED["qwen2_7b_ppo_1node.yaml"]]
+    a, b = _result(10.0), _result(20.0, {"throughput_per_device": value, "source": source})
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.log").write_text(f"table\n{json.dumps(b)}\n")
+    text = compare({"a": load_result(tmp_path / "a.json"), "b": load_result(tmp_path / "b.log")})
+    lines = text.splitlines()
+    assert lines[0].split() == ["a", "b", "b", "published"]
+    assert next(x for x in lines if x.startswith("step s (mean)")).split()[-2:] == ["10.000", "20.000"]
+    assert next(x for x in lines if x.startswith("tokens/s/device")).split()[-1] == "1,109"
+    assert lines[-1] == f"b published: {source}"
+    assert "published: 1,109 tokens/s per device" in render(b) and "untimed" in render(a)
+    (tmp_path / "bad.log").write_text("no result here\n{\"x\": 1}\n")
+    with pytest.raises(ValueError, match="bad.log: no launch.benchmark result line"):
+        load_result(tmp_path / "bad.log")
+
+
+def test_the_benchmark_pins_what_would_distort_a_timing():
+    out = bench_overrides(["trainer.default_local_dir=/tmp/x"], 2, 3)
+    assert "trainer.total_training_steps=5" in out and "trainer.save_freq=-1" in out
+    assert sum(o.startswith("trainer.default_local_dir=") for o in out) == 1
+    assert any(o.startswith("trainer.default_local_dir=runs/benchmark/") for o in bench_overrides([], 0, 1))
+    with pytest.raises(ValueError, match="--steps 0"):
+        bench_overrides([], 1, 0)
