@@ -56,8 +56,8 @@ def worker(args) -> None:
 
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     megatron = {"tensor_model_parallel_size": args.tp, "pipeline_model_parallel_size": args.pp,
-                "use_distributed_optimizer": True}
-    config = {"model": {"path": args.model, "dtype": "auto"},
+                "use_distributed_optimizer": True, **json.loads(args.megatron_extra)}
+    config = {"model": {"path": args.model, "dtype": args.dtype},
               "actor": {"megatron": megatron, "optim": {"lr": 1e-6}, "ppo_mini_batch_size": args.batch,
                         "ppo_micro_batch_size_per_gpu": args.micro_batch},
               "rollout": {"n": 1, "log_prob_micro_batch_size_per_gpu": args.micro_batch}}
@@ -101,15 +101,19 @@ def worker(args) -> None:
 
     tokens = int(mask.sum())  # all DP shards together = the whole batch
     params = sum(p.numel() for p in w.actor.model[0].parameters())
-    params_t = torch.tensor([params], dtype=torch.float64)
+    params_t = torch.tensor([params], dtype=torch.float64,  # NCCL reduces device tensors only
+                            device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(params_t)  # over every rank: TP/PP shards (DP replicas counted dp times)
-    result = {"model": args.name, "mcore_params": int(params_t.item() / coords.dp_size), "tp": args.tp, "pp": args.pp,
+    result = {"model": args.name, "mcore_params": int(params_t.cpu().item() / coords.dp_size), "tp": args.tp,
+              "pp": args.pp,
               "nproc": dist.get_world_size(), "batch": b, "seq_len": p + r, "tokens_per_batch": tokens,
               "logprob_s": round(lp_time, 4), "update_s": round(up_time, 4),
               "logprob_tokens_per_s": round(tokens / lp_time, 1), "update_tokens_per_s": round(tokens / up_time, 1),
               "device": "cuda" if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():
         from hybridflow.trainer.metrics import known_peak_flops
+
+        result["device_peak_bytes"] = int(torch.cuda.max_memory_allocated())
 
         # H200: dense bf16 989 TFLOP/s, the number FACTS.md says to use (a measured 8192^3 matmul reaches ~790).
         peak = known_peak_flops(torch.cuda.get_device_name())
@@ -169,6 +173,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--out", default="")
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: bf16 on GPU, fp32 on CPU)")
+    ap.add_argument("--megatron-extra", default="{}", help="JSON merged into the actor's megatron config")
     args = ap.parse_args()
     if args.worker:
         worker(args)

@@ -104,12 +104,19 @@ def synthetic_named_params(dims, rank):
     return out
 
 
+def _comm_device() -> str:
+    """NCCL reduces device tensors only (launch/gpu_check.py runs bench_layout on NCCL)."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def timed(fn) -> float:
     dist.barrier()
     start = time.perf_counter()
     fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     dist.barrier()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=_comm_device())
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 
@@ -142,10 +149,10 @@ def bench_layout(rank, world, layout, synthetic, bucket_bytes):
 
     mine = torch.tensor([engine.stats.bytes_recv, naive.stats.bytes_recv, engine.stats.peak_extra_bytes,
                          plan.expected_recv_bytes(rank), engine.stats.bytes_aliased, engine.stats.bytes_sent],
-                        dtype=torch.float64)
+                        dtype=torch.float64, device=_comm_device())
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
-    table = torch.stack(everyone)
+    table = torch.stack(everyone).cpu()
     M = sum(s.nbytes for s in plan.specs)
     optimal = optimal_recv_bytes(M, t, p, t_g)
     engine_max = int(table[:, 0].max())

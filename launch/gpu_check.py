@@ -1,0 +1,171 @@
+"""The GPU check (launch/gpu_check.sh runs it): one JSON line with what only a GPU can tell.
+
+    python launch/gpu_check.py             # CUDA + NCCL: a ~1B Llama (bf16) on every local GPU
+    python launch/gpu_check.py --dry-run   # CPU + gloo: the same code at a tiny size (what CI can run)
+
+Three parts, each in its own torchrun job (so one failure does not hide the others, and every job has a timeout):
+- actor: the PPO update of ActorRolloutRefWorker (role "actor", distributed optimizer) through
+  launch/bench_actor.py's worker: update tokens/s and MFU against the peak it names
+  (hybridflow.trainer.metrics.PEAK_FLOPS: H200 = 989 TFLOP/s dense bf16), and the peak device memory;
+- actor_recompute: the same with full activation recompute (megatron.override_transformer_config), when this
+  build's MegatronConfig has that key; otherwise reported as skipped;
+- reshard: the 3D-HybridEngine against the naive all-gather (launch/bench_reshard.py's bench_layout) on NCCL,
+  t = every local GPU, t_g = t/2 (one GPU: t = t_g = 1, where every generation shard aliases its training shard).
+The layer spec is what megatron_workers.model_builder picks: Transformer Engine when it imports, the local spec
+otherwise (reported as transformer_engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+# ~1.1B parameters (16 layers x 61M + embeddings over the tiny tokenizer's vocab): Llama-3.2-1B's width and depth.
+LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=8192)
+FULL_SIZE = dict(preset="medium", model=LLAMA_1B, dtype="bf16", batch=16, micro_batch=4, prompt_len=512,
+                 response_len=512, reps=3)
+DRY_RUN = dict(preset="tiny4l", model={}, dtype="fp32", batch=4, micro_batch=2, prompt_len=16, response_len=16,
+               reps=1)
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+TINY_RESHARD = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def has_recompute_keys() -> bool:
+    """Whether MegatronConfig has verl's override_transformer_config (activation recompute)."""
+    from hybridflow.config.schema import MegatronConfig
+
+    return "override_transformer_config" in {f.name for f in dataclasses.fields(MegatronConfig)}
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
+           "transformer_engine": importlib.util.find_spec("transformer_engine") is not None}
+    for name in ("megatron-core", "transformers"):
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            env[name] = None
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["gpus"] = torch.cuda.device_count()
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return env
+
+
+def torchrun(nproc: int, script: list[str], timeout: float, dry_run: bool) -> tuple[dict | list | None, str]:
+    """One torchrun job whose rank 0 writes JSON to the path after --out; (that JSON or None, the output tail)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={_free_port()}", *script, "--out", out]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    if dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU even where a GPU is present
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        tail = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines() if "arning" not in ln)[-1500:]
+        text = Path(out).read_text() if proc.returncode == 0 and Path(out).stat().st_size else ""
+        return (json.loads(text) if text else None), tail
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    finally:
+        Path(out).unlink(missing_ok=True)
+
+
+def reshard_worker(args) -> None:
+    """One torchrun rank: bench_reshard.bench_layout on this job's backend; rank 0 writes the row."""
+    import torch
+    import torch.distributed as dist
+
+    import launch.bench_reshard as bench_reshard
+
+    if args.tiny:
+        bench_reshard.HF_CONFIG = {**bench_reshard.HF_CONFIG, **TINY_RESHARD}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    row = bench_reshard.bench_layout(rank, world, (world, 1, 1, max(1, world // 2)), False, 32 * 2**20)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(row))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check(dry_run: bool, timeout: float) -> dict:
+    """Every part; a part that fails reports its error tail instead of numbers."""
+    import torch
+
+    from hybridflow.models.tiny import save_tiny_model
+
+    size = DRY_RUN if dry_run else FULL_SIZE
+    gpus = 0 if dry_run else torch.cuda.device_count()
+    result = {"check": "launch/gpu_check", "dry_run": dry_run, "env": environment(), "size": size,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        model = save_tiny_model(Path(tmp) / "model", preset=size["preset"], **size["model"])
+        bench = [str(REPO / "launch" / "bench_actor.py"), "--worker", "--name", "llama-1b" if not dry_run else "tiny",
+                 "--model", str(model), "--tp", "1", "--pp", "1", "--dtype", size["dtype"],
+                 "--batch", str(size["batch"]), "--micro-batch", str(size["micro_batch"]),
+                 "--prompt-len", str(size["prompt_len"]), "--response-len", str(size["response_len"]),
+                 "--reps", str(size["reps"])]
+        for name, extra in (("actor", {}), ("actor_recompute", {"override_transformer_config": RECOMPUTE})):
+            if extra and not has_recompute_keys():
+                result[name] = {"skipped": "this build's MegatronConfig has no override_transformer_config"}
+                continue
+            row, tail = torchrun(1, [*bench, "--megatron-extra", json.dumps(extra)], timeout, dry_run)
+            result[name] = row if row is not None else {"error": tail}
+    reshard = [str(Path(__file__).resolve()), "--reshard-worker"] + (["--tiny"] if dry_run else [])
+    row, tail = torchrun(max(gpus, 2 if dry_run else 1), reshard, timeout, dry_run)
+    result["reshard"] = row if row is not None else {"error": tail}
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["ok"] = all("error" not in result[k] for k in ("actor", "actor_recompute", "reshard"))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU + gloo at a tiny size (no GPU needed)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per part")
+    ap.add_argument("--reshard-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.reshard_worker:
+        reshard_worker(args)
+        return 0
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; use --dry-run for the CPU/gloo path", file=sys.stderr)
+        return 2
+    result = check(args.dry_run, args.timeout)
+    print(json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
