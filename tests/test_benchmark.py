@@ -76,3 +76,23 @@ def test_the_benchmark_pins_what_would_distort_a_timing():
     assert any(o.startswith("trainer.default_local_dir=runs/benchmark/") for o in bench_overrides([], 0, 1))
     with pytest.raises(ValueError, match="--steps 0"):
         bench_overrides([], 1, 0)
+
+
+def test_gpu_check_script_parses_and_refuses_a_cpu_only_machine():
+    """launch/gpu_check.sh needs a GPU (or --dry-run, ~2 min here; run by hand): its shell is valid, its Python
+    part imports, and without CUDA it says so instead of measuring a CPU as a GPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from launch import gpu_check
+
+    repo = Path(__file__).resolve().parents[1]
+    assert subprocess.run(["bash", "-n", str(repo / "launch" / "gpu_check.sh")], timeout=30).returncode == 0
+    assert isinstance(gpu_check.has_recompute_keys(), bool)
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, str(repo / "launch" / "gpu_check.py")], capture_output=True, text=True,
+                              timeout=120, cwd=repo)
+        assert proc.returncode == 2 and "no CUDA device here; use --dry-run" in proc.stderr
