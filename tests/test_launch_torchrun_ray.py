@@ -7,6 +7,7 @@ run the real launcher as a subprocess against one SimCluster shared by the modul
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,7 +174,8 @@ def cluster():
                        check=True, timeout=180, capture_output=True)
         yield c
     finally:
-        c.stop(timeout_s=5)  # its daemons ignore SIGTERM for a while (FACTS): SIGKILL them sooner
+        c.stop(timeout_s=3)  # its daemons ignore SIGTERM for a while (FACTS): SIGKILL them sooner
+        shutil.rmtree(c.temp_dir, ignore_errors=True)
 
 
 class Launch:
@@ -297,9 +299,21 @@ def test_sigint_stops_everything(cluster):
 
 
 @pytest.mark.cluster
+@pytest.mark.fault
+def test_timeout_bounds_the_job(cluster):
+    # Every rank sleeps 600 s after the all_reduce; --timeout must end the job (wherever it is by then).
+    job = Launch(cluster, ["--nnodes", "2", "--nproc-per-node", "2", "--timeout", "15"], [str(SCRIPT), "99"])
+    rc = job.wait(90)
+    assert rc == 124, job.text()
+    assert "--timeout 15 s reached" in job.text()
+    assert job.elapsed <= 15 + 30, job.elapsed
+    no_leftovers(str(SCRIPT))
+
+
+@pytest.mark.cluster
 @pytest.mark.bad_input
 def test_more_nodes_than_the_cluster_has(cluster):
-    job = Launch(cluster, ["--nnodes", "3", "--nproc-per-node", "1", "--start-timeout", "8"], [str(SCRIPT)])
+    job = Launch(cluster, ["--nnodes", "3", "--nproc-per-node", "1", "--start-timeout", "5"], [str(SCRIPT)])
     rc = job.wait(90)
     assert rc == 2, job.text()
     # what the cluster has: both nodes, with their CPUs and GPUs

@@ -40,21 +40,28 @@ def say(msg: str, out=None) -> None:
     print(f"[launcher] {msg}", file=out or sys.stdout, flush=True)
 
 
-def check_reachable(address: str, timeout_s: float) -> None:
-    """Fail in timeout_s (not Ray's minute of reconnect attempts) when nothing answers at host:port."""
+def check_reachable(address: str, timeout_s: float, refused_s: float = 2.0) -> None:
+    """Fail in seconds (not after Ray's minute of reconnect attempts) when nothing answers at host:port.
+    A refused connection is retried only for refused_s (a head restarting); silence up to timeout_s."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise LaunchInputError(f"--address {address!r} is not host:port")
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     last: OSError | None = None
     while time.monotonic() < deadline:
         try:
             with socket.create_connection((host, int(port)), timeout=max(0.5, min(3.0, deadline - time.monotonic()))):
                 return
+        except ConnectionRefusedError as e:
+            last = e
+            if time.monotonic() - t0 > refused_s:
+                break
         except OSError as e:
             last = e
-            time.sleep(0.5)
-    raise LaunchError(f"Ray cluster at --address {address} is unreachable within {timeout_s:.0f} s: {last}")
+        time.sleep(0.5)
+    raise LaunchError(f"Ray cluster at --address {address} is unreachable "
+                      f"({time.monotonic() - t0:.0f} s of tries): {last}")
 
 
 def describe_cluster(nodes: list[dict]) -> str:
