@@ -238,11 +238,13 @@ def leftover(script_part: str) -> list[str]:
     return found
 
 
-def no_leftovers(script_part: str, timeout_s: float = 10) -> None:
+def no_leftovers(script_part: str, timeout_s: float = 15) -> None:
+    """Neither torchrun nor a rank nor a node watchdog is left (the watchdogs go once their agent is gone)."""
     deadline = time.monotonic() + timeout_s
-    while leftover(script_part) and time.monotonic() < deadline:
+    names = (script_part, "launch.torchrun_ray.watchdog")
+    while any(leftover(n) for n in names) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not leftover(script_part), leftover(script_part)
+    assert not [p for n in names for p in leftover(n)], [p for n in names for p in leftover(n)]
 
 
 @pytest.mark.cluster
@@ -296,6 +298,21 @@ def test_sigint_stops_everything(cluster):
     assert job.elapsed - sent <= 30
     assert "interrupted" in job.text()
     no_leftovers(str(SCRIPT))
+
+
+@pytest.mark.cluster
+@pytest.mark.fault
+def test_killed_launcher_leaves_nothing(cluster):
+    # SIGKILL: no handler runs. Ray kills the agents (and SIGKILLs torchrun with them); each node's watchdog
+    # then ends the ranks, which sit in their own sessions.
+    job = Launch(cluster, ["--nnodes", "2", "--nproc-per-node", "2", "--timeout", "240"], [str(SCRIPT), "99"])
+    for rank in range(4):
+        job.wait_for(lambda ln, r=rank: f"]:sum=10 rank={r} " in ln, 200)
+    job.proc.kill()
+    job.wait(30)
+    t0 = time.monotonic()
+    no_leftovers(str(SCRIPT), timeout_s=60)
+    print(f"\nlauncher SIGKILL -> no rank left: {time.monotonic() - t0:.1f} s")
 
 
 @pytest.mark.cluster

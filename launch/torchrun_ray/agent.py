@@ -82,6 +82,7 @@ class NodeAgent:
         else:
             self.log_dir, self.own_log_dir = tempfile.mkdtemp(prefix=f"hf_trr{self.node}_"), True
         self.tag = f"{job_tag}:{self.node}"
+        self._start_watchdog()
         cmd = torchrun_command(sys.executable, spec, entry, self.node, master_addr, master_port, self.log_dir)
         full_env = {**os.environ, **env, JOB_TAG_ENV: self.tag}
         self.proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -90,6 +91,17 @@ class NodeAgent:
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         return {"pid": self.proc.pid, "cmd": cmd}
+
+    def _start_watchdog(self) -> None:
+        """A detached process that kills this node's tagged tree once this actor process is gone (see
+        watchdog.py: Ray SIGKILLs torchrun with the actor, which would orphan the ranks)."""
+        import psutil
+
+        me = psutil.Process(os.getpid())
+        env = {k: v for k, v in os.environ.items() if k != JOB_TAG_ENV}
+        subprocess.run([sys.executable, "-m", "launch.torchrun_ray.watchdog", str(me.pid), repr(me.create_time()),
+                        self.tag], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=True, timeout=60)
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -190,12 +202,19 @@ def tagged_processes(tag: str) -> list:
     return found
 
 
-def kill_tagged(tag: str, timeout_s: float) -> int:
-    """Give tagged processes timeout_s to exit on their own (torchrun's SIGTERM reaches them), then SIGKILL.
-    Returns how many had to be killed."""
+def kill_tagged(tag: str, timeout_s: float, term_first: bool = False) -> int:
+    """Give tagged processes timeout_s to exit (on torchrun's SIGTERM, or on ours with term_first), then
+    SIGKILL them. Returns how many had to be killed."""
     import psutil
 
-    _, alive = psutil.wait_procs(tagged_processes(tag), timeout=timeout_s)
+    procs = tagged_processes(tag)
+    if term_first:
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     for p in alive:
         try:
             p.kill()
