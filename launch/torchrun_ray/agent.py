@@ -8,7 +8,6 @@ fails, and stops the rest. The actor reserves almost no CPU (0.01): torchrun's r
 from __future__ import annotations
 
 import collections
-import ctypes
 import glob
 import json
 import os
@@ -24,20 +23,7 @@ from pathlib import Path
 from .plan import LaunchSpec, torchrun_command
 from .report import NodeOutcome, parse_failures
 
-JOB_TAG_ENV = "HF_TORCHRUN_RAY_TAG"
-
-_PR_SET_PDEATHSIG = 1
-try:  # loaded before any fork: the pre-exec hook below must not import or allocate much
-    _LIBC = ctypes.CDLL(None, use_errno=True)
-except OSError:  # not Linux: no parent-death signal, the launcher's stop() is the only cleanup
-    _LIBC = None
-
-
-def _die_with_parent() -> None:
-    """Pre-exec hook: torchrun gets SIGTERM if this actor process dies (ray.kill, the driver vanishing), and
-    on SIGTERM torchrun stops its own workers, so no rank outlives the job."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+JOB_TAG_ENV = "HF_TORCHRUN_RAY_TAG"  # marks every process of one node's torchrun tree
 
 
 def _free_port() -> int:
@@ -66,7 +52,7 @@ class NodeAgent:
         import ray
 
         return {"ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(), "port": _free_port(),
-                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def start(self, spec: LaunchSpec, entry: list[str], master_addr: str, master_port: int, env: dict[str, str],
               cwd: str, job_tag: str) -> dict:
@@ -86,7 +72,7 @@ class NodeAgent:
         cmd = torchrun_command(sys.executable, spec, entry, self.node, master_addr, master_port, self.log_dir)
         full_env = {**os.environ, **env, JOB_TAG_ENV: self.tag}
         self.proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                      text=True, errors="replace", bufsize=1)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()

@@ -131,6 +131,8 @@ class Job:
             self.where = ray.get([a.where.remote() for a in self.agents], timeout=wait)
         except ray.exceptions.GetTimeoutError as e:
             raise LaunchError(f"node agents did not start within {wait:.0f} s") from e
+        except ray.exceptions.RayError as e:
+            raise LaunchError(f"a node agent failed to start: {type(e).__name__}: {e}") from e
         say(f"placed {spec.nnodes} nodes in {time.monotonic() - self.t0:.1f} s: "
             + ", ".join(f"node {i}={w['ip']} ({w['node_id'][:8]})" for i, w in enumerate(self.where)), self.out)
 
@@ -234,8 +236,11 @@ def connect(spec: LaunchSpec, pythonpath: list[str], timeout_s: float) -> None:
     # The agents import launch.torchrun_ray on every node: REPO first, then the launcher's PYTHONPATH.
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys([str(REPO), *pythonpath])),
                                 "RAY_USAGE_STATS_ENABLED": "0"}}
-    ray.init(address=address, _node_ip_address=node_ip, runtime_env=runtime_env, log_to_driver=False,
-             configure_logging=False)
+    try:
+        ray.init(address=address, _node_ip_address=node_ip, runtime_env=runtime_env, log_to_driver=False,
+                 configure_logging=False)
+    except ConnectionError as e:
+        raise LaunchError(f"could not join the Ray cluster at --address {address}: {e}") from e
 
 
 def run(spec: LaunchSpec, cwd: str | None = None, environ: dict[str, str] | None = None, out=None) -> int:
