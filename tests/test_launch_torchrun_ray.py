@@ -313,6 +313,11 @@ def test_killed_launcher_leaves_nothing(cluster):
     t0 = time.monotonic()
     no_leftovers(str(SCRIPT), timeout_s=60)
     print(f"\nlauncher SIGKILL -> no rank left: {time.monotonic() - t0:.1f} s")
+    logs = [ln.rsplit(" ", 1)[1] for _, ln in job.lines if "per-rank logs in " in ln]
+    deadline = time.monotonic() + 15  # the watchdogs remove the temp logs right after the ranks are gone
+    while any(os.path.exists(d) for d in logs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(logs) == 2 and not [d for d in logs if os.path.exists(d)], logs
 
 
 @pytest.mark.cluster

@@ -76,17 +76,18 @@ class NodeAgent:
                                      text=True, errors="replace", bufsize=1)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
-        return {"pid": self.proc.pid, "cmd": cmd}
+        return {"pid": self.proc.pid, "cmd": cmd, "log_dir": self.log_dir}
 
     def _start_watchdog(self) -> None:
-        """A detached process that kills this node's tagged tree once this actor process is gone (see
-        watchdog.py: Ray SIGKILLs torchrun with the actor, which would orphan the ranks)."""
+        """A detached process that kills this node's tagged tree (and removes the temp logs) once this actor
+        process is gone (see watchdog.py: Ray SIGKILLs torchrun with the actor, which would orphan the ranks)."""
         import psutil
 
         me = psutil.Process(os.getpid())
         env = {k: v for k, v in os.environ.items() if k != JOB_TAG_ENV}
+        temp = [self.log_dir] if self.own_log_dir else []
         subprocess.run([sys.executable, "-m", "launch.torchrun_ray.watchdog", str(me.pid), repr(me.create_time()),
-                        self.tag], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                        self.tag, *temp], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, check=True, timeout=60)
 
     def _read(self) -> None:

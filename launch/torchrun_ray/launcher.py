@@ -147,10 +147,11 @@ class Job:
                 for a in self.agents]
         for i, ref in enumerate(refs):
             try:
-                ray.get(ref, timeout=self._left(CALL_TIMEOUT_S))
+                info = ray.get(ref, timeout=self._left(CALL_TIMEOUT_S))
             except Exception as e:
                 raise LaunchError(f"node {i} ({self.where[i]['ip']}): could not start torchrun: {e}") from e
             self.started.add(i)
+            say(f"node {i}: torchrun pid {info['pid']}, per-rank logs in {info['log_dir']}", self.out)
         say(f"torchrun started on every node {time.monotonic() - self.t0:.1f} s after launch", self.out)
 
     def stream(self) -> tuple[str, int | None]:
