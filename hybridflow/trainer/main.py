@@ -246,13 +246,16 @@ def make_pools(cfg: HybridFlowConfig, roles: list[str]) -> dict:
     return {role: ResourcePool(role, procs, max_colocate=1, timeout_s=timeout) for role in roles}
 
 
-def build_groups(cfg: HybridFlowConfig) -> dict:
+def build_groups(cfg: HybridFlowConfig, teardown=None) -> dict:
     """Every worker group the job needs, initialised: {"actor_rollout", "ref", "critic", "reward_model"}.
 
     colocate: the actor group also hosts the ref (role actor_rollout_ref) and "ref" is None.
     split: the ref is an ActorRolloutRefWorker of role "ref" in its own pool (only when a KL term needs it).
+    `teardown` (a controller.Teardown) is told of every pool and group as it is made, so a stop half-way
+    through still takes down what exists.
     """
     from hybridflow.controller import RayWorkerGroup
+    from hybridflow.controller.teardown import Teardown
     from megatron_workers.actor_rollout_ref import ActorRolloutRefWorker
 
     a = cfg.actor_rollout_ref
@@ -273,8 +276,15 @@ def build_groups(cfg: HybridFlowConfig) -> dict:
     log.info("trainer.placement=%s: %s", cfg.trainer.placement,
              ", ".join(f"{name} in pool '{pools[name].name}'" for name in specs))
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    groups = {name: RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s)
-              for name, (cls, args, role) in specs.items()}
+    teardown = teardown if teardown is not None else Teardown()
+    for pool in pools.values():
+        teardown.add_pool(pool)
+    groups = {}
+    for name, (cls, args, role) in specs.items():
+        groups[name] = RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s)
+        teardown.add_group(groups[name])
+        log.info("%s: %d ranks on nodes %s", name, groups[name].world_size,
+                 " ".join(f"{i}={n[:8]}" for i, n in enumerate(pools[name].node_ids())))
     # One group at a time, the actor's first, each on a port picked just before its init (vLLM in the
     # actor processes opens ports while it starts).
     for group in groups.values():
@@ -283,11 +293,19 @@ def build_groups(cfg: HybridFlowConfig) -> dict:
     return {name: groups.get(name) for name in ("actor_rollout", "ref", "critic", "reward_model")}
 
 
+def validate_cluster(cfg: HybridFlowConfig) -> None:
+    """Without trainer.ray.address the trainer starts a one-machine cluster, which cannot hold several nodes."""
+    if not cfg.trainer.ray.address and cfg.trainer.nnodes > 1:
+        raise ValueError(f"trainer.nnodes={cfg.trainer.nnodes} needs a multi-node Ray cluster: set "
+                         "trainer.ray.address (auto, or host:port) or trainer.nnodes=1")
+
+
 def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     """Build every worker group and run the loop; `validated`: main() already ran validate(cfg)."""
     from transformers import AutoTokenizer
 
     from hybridflow.controller import init_ray
+    from hybridflow.controller.teardown import Teardown, exit_on_sigterm
     from hybridflow.data.rl_dataset import RLDataset
     from hybridflow.data.sampler import ResumableSampler
     from hybridflow.rewards.manager import RewardManager
@@ -295,6 +313,7 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
 
     if not validated:
         validate(cfg)
+        validate_cluster(cfg)
     a = cfg.actor_rollout_ref
     tokenizer = AutoTokenizer.from_pretrained(a.model.tokenizer_path or a.model.path)
     # The same class, prompt length and filtering for both: a val prompt is what a training prompt would be.
@@ -311,14 +330,26 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     r = cfg.trainer.ray
     # Ray's CPUs are logical: workers pin their own threads, so a local cluster may hold more ranks than cores.
     num_cpus = r.num_cpus or (None if r.address else max(16, os.cpu_count() or 1))
+    run_dir = os.path.abspath(cfg.trainer.default_local_dir)
+    if r.address and not os.path.isabs(cfg.trainer.default_local_dir):
+        # Under `ray job submit` the working directory is Ray's unpacked copy, removed with the session.
+        log.warning("trainer.default_local_dir=%s is relative: the run writes to %s (use an absolute path on a "
+                    "cluster)", cfg.trainer.default_local_dir, run_dir)
+    log.info("run dir: %s", run_dir)
     save_resolved(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
-    groups = build_groups(cfg)
-    trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
-                            ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset)
-    trainer.n_params = _count_params(a.model.path)
-    history = trainer.fit()
-    trainer.finish(history)
+    teardown = Teardown()
+    with exit_on_sigterm():  # `ray job stop`: unwind, then take the workers and placement groups down
+        try:
+            groups = build_groups(cfg, teardown)
+            trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"],
+                                    groups["critic"], ref=groups["ref"], reward_model=groups["reward_model"],
+                                    val_dataset=val_dataset)
+            trainer.n_params = _count_params(a.model.path)
+            history = trainer.fit()
+            trainer.finish(history)
+        finally:
+            teardown.close()
     return history
 
 
@@ -357,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg)
+        validate_cluster(cfg)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
