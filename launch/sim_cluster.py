@@ -182,6 +182,11 @@ def main():
     a = ap.parse_args()
     cluster = SimCluster(a.nodes, a.port, a.cpus_per_node, a.object_store_bytes, a.temp_dir,
                          dashboard_port=a.dashboard_port)
+
+    def _interrupt(signum, frame):  # `kill PID` takes the cluster down like Ctrl-C (background jobs ignore SIGINT)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
     print(cluster.start(), flush=True)
     if cluster.include_dashboard:
         print(cluster.dashboard_url, flush=True)
