@@ -55,6 +55,16 @@ def test_bad_helper_input_names_it(tmp_path):
         S.check_reachable("ftp://head:8265")
 
 
+@pytest.mark.bad_input
+def test_several_nodes_need_a_cluster_address():
+    from hybridflow.config.load import load_config
+    from hybridflow.trainer.main import validate_cluster
+
+    with pytest.raises(ValueError, match=r"trainer.nnodes=2 needs a multi-node Ray cluster: set trainer.ray.address"):
+        validate_cluster(load_config(None, ["trainer.nnodes=2"]))
+    validate_cluster(load_config(None, ["trainer.nnodes=2", "trainer.ray.address=auto"]))  # joining: fine
+
+
 def test_progress_without_a_terminal_is_one_line_per_step():
     out = io.StringIO()
     bar = StepLines("demo", total=3, initial=1, stream=out)
