@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stop", help="stop the nodes this tool started on this host")
     _state_arg(p)
     p.add_argument("--node-ip-address", default=None, help="only the node(s) with this address")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--grace", type=float, default=10.0, help="most seconds between SIGTERM and SIGKILL")
 
     for name, what in (("status", "list the cluster's nodes"), ("wait", "wait until --nodes nodes are alive")):
         p = sub.add_parser(name, help=what)

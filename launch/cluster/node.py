@@ -233,45 +233,54 @@ def _wait_ready(proc: subprocess.Popen, log_path: Path, spec: NodeSpec, timeout_
 # ---- stop --------------------------------------------------------------------------------------------------
 
 
-def stop_record(rec: dict, grace_s: float = 5.0, timeout_s: float = 30.0) -> list[int]:
-    """End one node: SIGTERM to `ray start` (it shuts its daemons down), then after `grace_s` SIGKILL to what is
-    left of the node. Returns the pids that were alive. Raises if any survives `timeout_s`."""
+def stop_records(recs: list[dict], grace_s: float = 10.0, timeout_s: float = 30.0) -> dict[str, list[int]]:
+    """End nodes: SIGTERM to each `ray start` (it shuts its daemons down), all at once, then after up to `grace_s`
+    SIGKILL to whatever is left of each node. Returns {node name: pids that were alive}. Raises if any process
+    survives `timeout_s`."""
     import psutil
 
-    procs = node_processes(rec)
-    pids = sorted(p.pid for p in procs)
-    if _leader_alive(rec):
-        try:
-            os.kill(rec["pid"], signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        _gone, alive = psutil.wait_procs([p for p in procs if p.pid == rec["pid"]], timeout=grace_s)
-    deadline = time.monotonic() + timeout_s
-    while procs:
-        for p in procs:
+    procs = {r["name"]: node_processes(r) for r in recs}
+    pids = {r["name"]: {p.pid for p in procs[r["name"]]} for r in recs}
+    leaders = []
+    for r in recs:
+        if _leader_alive(r):
             try:
-                p.kill()
-            except psutil.NoSuchProcess:
+                os.kill(r["pid"], signal.SIGTERM)
+                leaders += [p for p in procs[r["name"]] if p.pid == r["pid"]]
+            except ProcessLookupError:
                 pass
-        psutil.wait_procs(procs, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
-        procs = node_processes(rec)  # a dying raylet may still have forked a worker
-        pids = sorted(set(pids) | {p.pid for p in procs})
-        if procs and time.monotonic() > deadline:
-            raise RuntimeError(f"processes of node {rec['name']} survived SIGKILL: {[p.pid for p in procs]}")
-    if rec.get("_proc") is not None:
-        rec["_proc"].poll()  # reap our own child
-    if rec.get("_file"):
-        Path(rec["_file"]).unlink(missing_ok=True)
-    return pids
+    psutil.wait_procs(leaders, timeout=grace_s)
+    deadline = time.monotonic() + timeout_s
+    for r in recs:
+        left = node_processes(r)
+        while left:
+            for p in left:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(left, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+            left = node_processes(r)  # a dying raylet may still have forked a worker
+            pids[r["name"]] |= {p.pid for p in left}
+            if left and time.monotonic() > deadline:
+                raise RuntimeError(f"processes of node {r['name']} survived SIGKILL: {[p.pid for p in left]}")
+        if r.get("_proc") is not None:
+            r["_proc"].poll()  # reap our own child
+        if r.get("_file"):
+            Path(r["_file"]).unlink(missing_ok=True)
+    return {name: sorted(v) for name, v in pids.items()}
 
 
-def stop_nodes(state: str | os.PathLike | None = None, node_ip: str | None = None, grace_s: float = 5.0) -> list:
-    """Stop every node this tool started on this host (only those with `node_ip` if given): workers first, so
-    they do not report a lost head. Returns [(name, pids)]."""
-    sdir = state_dir(state)
-    recs = [r for r in read_records(sdir) if node_ip is None or r["node_ip"] == node_ip]
+def stop_record(rec: dict, grace_s: float = 10.0) -> list[int]:
+    return stop_records([rec], grace_s=grace_s)[rec["name"]]
+
+
+def stop_nodes(state: str | os.PathLike | None = None, node_ip: str | None = None, grace_s: float = 10.0) -> list:
+    """Stop every node this tool started on this host (only those with `node_ip` if given). Returns
+    [(name, pids)], workers first."""
+    recs = [r for r in read_records(state_dir(state)) if node_ip is None or r["node_ip"] == node_ip]
     recs.sort(key=lambda r: r["role"] == "head")
-    return [(r["name"], stop_record(r, grace_s=grace_s)) for r in recs]
+    return list(stop_records(recs, grace_s=grace_s).items())
 
 
 def block_until_signal(rec: dict) -> int:
