@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -25,7 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 DRIVER = REPO / "tests" / "launch_cluster_driver.py"
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 
-pytestmark = pytest.mark.cluster
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -95,6 +95,8 @@ def _assert_all_gone(pids, temp_dirs, state: Path, timeout_s=20) -> None:
     assert not _alive(pids), f"left running: {_alive(pids)}"
     assert not _naming(temp_dirs), f"processes still name {temp_dirs}: {_naming(temp_dirs)}"
     assert not node.read_records(node.state_dir(state)), "pid files left behind"
+    for t in temp_dirs:  # Ray's session logs: kept for users, removed in tests so that /tmp does not fill up
+        shutil.rmtree(t, ignore_errors=True)
 
 
 def _emergency_stop(env) -> None:
@@ -112,6 +114,51 @@ def _check_two_nodes(res: dict) -> None:
     ids = [t[0] for t in res["tasks"]]
     assert ids == res["targets"] and len(set(ids)) == 2
     assert sorted(t[1] for t in res["tasks"]) == [HEAD_IP, WORKER_IP]
+
+
+# ---- pure parts ---------------------------------------------------------------------------------------------
+
+
+def test_ray_start_args_bind_the_given_address():
+    head = node.NodeSpec("head", "10.0.0.1", port=6380, ray_args=["--resources={\"a\": 1}"])
+    args = node.ray_start_args(head, "/tmp/t")
+    assert args[:3] == ["--block", "--node-ip-address", "10.0.0.1"] and "--head" in args and "--port=6380" in args
+    assert "--dashboard-host=10.0.0.1" in args and "--dashboard-port=8265" in args  # the node's address by default
+    assert not any("0.0.0.0" in a for a in args) and args[-1] == "--resources={\"a\": 1}"
+    assert "--include-dashboard=false" in node.ray_start_args(node.NodeSpec("head", "10.0.0.1", dashboard=False), "/t")
+    worker = node.ray_start_args(node.NodeSpec("worker", "10.0.0.2", head_address="10.0.0.1:6380", num_gpus=8), "/t")
+    assert "--address=10.0.0.1:6380" in worker and "--head" not in worker and "--num-gpus=8" in worker
+    assert not any(a.startswith("--dashboard") for a in worker)
+
+
+def test_ssh_command_line_and_temp_dir_matching():
+    from launch.cluster import ssh
+
+    cfg = ssh.SshConfig(user="bob", python="/opt/my env/python", workdir="/srv/hf repo", options=["-p", "2222"],
+                        state_dir="/s")
+    argv = ssh.ssh_argv(cfg, "n1", ["stop", "--node-ip-address", "n1"])
+    assert argv[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=15"] and argv[5:8] == ["-p", "2222",
+                                                                                                   "bob@n1"]
+    assert argv[8] == ("cd '/srv/hf repo' && PYTHONPATH='/srv/hf repo'${PYTHONPATH:+:$PYTHONPATH} exec "
+                       "'/opt/my env/python' -m launch.cluster stop --state-dir /s --node-ip-address n1")
+    # stop matches its own temp dir, not one that merely starts with the same characters
+    assert node._names_dir(["raylet", "--temp-dir=/tmp/hfray-0-head-1.2.3.4-6379"], "/tmp/hfray-0-head-1.2.3.4-6379")
+    assert node._names_dir(["x", "/tmp/hfray-0-head-1.2.3.4-6379/session_1/logs"], "/tmp/hfray-0-head-1.2.3.4-6379")
+    assert not node._names_dir(["--temp-dir=/tmp/hfray-0-head-1.2.3.4-63790"], "/tmp/hfray-0-head-1.2.3.4-6379")
+
+
+@pytest.mark.bad_input
+def test_token_install_never_overwrites(tmp_path):
+    from launch.cluster import auth
+
+    env = {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "ray" / "token")}
+    auth.install_token("abc\n", env)
+    assert (tmp_path / "ray" / "token").read_text() == "abc"
+    assert stat.S_IMODE((tmp_path / "ray" / "token").stat().st_mode) == 0o600
+    auth.install_token("abc", env)  # the same token again: fine
+    with pytest.raises(RuntimeError, match=f"different Ray token already exists at {tmp_path}/ray/token"):
+        auth.install_token("xyz", env)
+    assert auth.ensure_token(env) == "abc"
 
 
 # ---- head + worker + status + stop, directly ---------------------------------------------------------------
@@ -135,6 +182,7 @@ def direct(tmp_path_factory):
         _emergency_stop(env)
 
 
+@pytest.mark.cluster
 def test_head_worker_status(direct):
     assert f"RAY_ADDRESS={HEAD_IP}:{direct['port']}" in direct["head_stdout"]
     token = Path(direct["env"]["RAY_AUTH_TOKEN_PATH"])
@@ -157,6 +205,7 @@ def tmp_token(tmp: Path, token: str) -> Path:
     return path
 
 
+@pytest.mark.cluster
 @pytest.mark.bad_input
 def test_second_head_on_used_port_fails_and_leaves_first(direct):
     args = ["head", "--node-ip-address", HEAD_IP, "--port", str(direct["port"]), "--no-dashboard"]
@@ -171,6 +220,7 @@ def test_second_head_on_used_port_fails_and_leaves_first(direct):
     assert len(node.read_records(node.state_dir(direct["tmp"] / "state"))) == 2
 
 
+@pytest.mark.cluster
 def test_stop_ends_every_process(direct):
     state = direct["tmp"] / "state"
     assert len(direct["pids"]) >= 6  # gcs, raylets, monitors, agents...
@@ -205,6 +255,20 @@ def test_worker_with_unreachable_head_or_no_token(tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 1 and "--node-ip-address 0.0.0.0 is not an address" in proc.stderr
     assert not node.read_records(node.state_dir(tmp_path / "state"))
+
+
+@pytest.mark.bad_input
+def test_up_and_status_reject_bad_input_before_any_ssh(tmp_path):
+    env = _fake_bin(tmp_path, _env(tmp_path), ssh=FAKE_SSH)
+    proc = _cli(env, "up", "--hosts", f"{HEAD_IP},{HEAD_IP}", timeout=60)
+    assert proc.returncode == 1 and "lists a host twice" in proc.stderr
+    proc = _cli(env, "up", "--hosts", ",", timeout=60)
+    assert proc.returncode == 1 and "--hosts is empty" in proc.stderr
+    assert not (tmp_path / "fake.log").exists()  # nothing was started anywhere
+    proc = _cli(env, "status", timeout=60)
+    assert proc.returncode == 1 and "no --address given" in proc.stderr
+    proc = _cli(env, "status", "--address", "127.0.0.2", timeout=60)
+    assert proc.returncode == 1 and "'127.0.0.2' must be HOST:PORT" in proc.stderr
 
 
 # ---- up / down over a fake ssh -----------------------------------------------------------------------------
@@ -245,6 +309,7 @@ def _fake_bin(tmp: Path, env: dict, **scripts: str) -> dict:
     return dict(env, PATH=f"{bindir}:{env['PATH']}", FAKE_LOG=str(tmp / "fake.log"))
 
 
+@pytest.mark.cluster
 def test_up_down_over_ssh(tmp_path):
     env = _fake_bin(tmp_path, _env(tmp_path), ssh=FAKE_SSH)
     port, state = free_port(), tmp_path / "state"
@@ -274,6 +339,7 @@ def test_up_down_over_ssh(tmp_path):
         _emergency_stop(env)
 
 
+@pytest.mark.cluster
 @pytest.mark.bad_input
 def test_up_with_failing_host_names_it_and_cleans_up(tmp_path):
     env = dict(_fake_bin(tmp_path, _env(tmp_path), ssh=FAKE_SSH), FAKE_SSH_FAIL="127.0.0.4")
@@ -294,6 +360,7 @@ def test_up_with_failing_host_names_it_and_cleans_up(tmp_path):
 # ---- the SLURM batch script with fake scontrol/srun ---------------------------------------------------------
 
 
+@pytest.mark.cluster
 def test_sbatch_runs_driver_and_tears_down(tmp_path):
     env = _fake_bin(tmp_path, _env(tmp_path), srun=FAKE_SRUN, scontrol=FAKE_SCONTROL)
     port, state = free_port(), tmp_path / "state"

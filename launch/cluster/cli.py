@@ -149,7 +149,10 @@ def _address(a) -> str:
     if not recs:
         raise ValueError("no --address given and no node started by this tool on this host "
                          f"(state dir {node.state_dir(a.state_dir)})")
-    return recs[0]["address"]
+    addresses = sorted({r["address"] for r in recs})
+    if len(addresses) > 1:
+        raise ValueError(f"this host has nodes of several clusters ({', '.join(addresses)}): pass --address")
+    return addresses[0]
 
 
 def _driver_ip(a, address: str) -> str | None:
