@@ -83,6 +83,18 @@ def _naming(temp_dirs) -> list[int]:
     return out
 
 
+def _naming_address(address: str) -> list[int]:
+    """Processes (not zombies) with the cluster's address on their command line: workers, waits, drivers."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and any(address in a for a in p.info["cmdline"] or []):
+                out.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def _temp_dirs(port: int) -> list[str]:
     return [node.NodeSpec("head", HEAD_IP, port=port).resolved_temp_dir(),
             node.NodeSpec("worker", WORKER_IP, head_address=f"{HEAD_IP}:{port}").resolved_temp_dir()]
@@ -288,7 +300,9 @@ FAKE_SRUN = """\
 #!/bin/bash
 # fake srun: records its arguments, drops the srun options and runs the step's command on this machine
 printf '%s\\n' "$*" >> "$FAKE_LOG"
-while [ $# -gt 0 ]; do case "$1" in -w|-N|-n|-c|--nodelist) shift 2;; -*) shift;; *) break;; esac; done
+while [ $# -gt 0 ]; do case "$1" in -w) host=$2; shift 2;; -N|-n|-c) shift 2;; -*) shift;; *) break;; esac; done
+case ",${FAKE_SRUN_FAIL:-}," in *",${host:-},"*)
+  echo "srun: error: Unable to create step for job: node $host is down" >&2; exit 1;; esac
 exec "$@"
 """
 
@@ -383,6 +397,29 @@ def test_sbatch_runs_driver_and_tears_down(tmp_path):
         assert f"worker --block --address {HEAD_IP}:{port}" in srun[0]
         assert len(res["pids"]) >= 6
         _assert_all_gone([tuple(p) for p in res["pids"]], _temp_dirs(port), state)
+        assert not _naming_address(f"{HEAD_IP}:{port}")
+    finally:
+        _emergency_stop(dict(env, HYBRIDFLOW_CLUSTER_STATE_DIR=str(state)))
+
+
+@pytest.mark.cluster
+@pytest.mark.fault
+def test_sbatch_worker_step_fails_stops_head(tmp_path):
+    env = _fake_bin(tmp_path, _env(tmp_path), srun=FAKE_SRUN, scontrol=FAKE_SCONTROL)
+    port, state = free_port(), tmp_path / "state"
+    env.update(SLURM_JOB_NODELIST=f"{HEAD_IP},{WORKER_IP}", SLURM_JOB_ID="4243", HF_WORKDIR=str(REPO),
+               HF_PYTHON=sys.executable, HF_RAY_PORT=str(port), HF_WAIT_TIMEOUT="300", HF_CLUSTER_STATE_DIR=str(state),
+               HF_HEAD_ARGS=f"--no-dashboard --num-cpus 1 --ray-args='{_ray_args()}'", FAKE_SRUN_FAIL=WORKER_IP)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(["bash", str(REPO / "launch/slurm/ray_cluster.sbatch"), "touch", str(tmp_path / "ran")],
+                              env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        # It gives up as soon as the step ends, long before the 300 s wait, and never runs the driver.
+        assert proc.returncode == 1 and time.monotonic() - t0 < 120, proc.stderr[-3000:]
+        assert f"the worker step on {WORKER_IP} ended before the cluster was up" in proc.stderr
+        assert not (tmp_path / "ran").exists()
+        _assert_all_gone(set(), _temp_dirs(port)[:1], state)
+        assert not _naming_address(f"{HEAD_IP}:{port}")  # the `wait` it gave up on is gone too, not orphaned
     finally:
         _emergency_stop(dict(env, HYBRIDFLOW_CLUSTER_STATE_DIR=str(state)))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import time
 
@@ -211,6 +212,9 @@ def run(a) -> int:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    # SIGTERM as an exception: a node being started is stopped again (start_node cleans up on any exception) and
+    # the driver child of `status`/`wait` is killed by subprocess.run on the way out, instead of being orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return run(a)
     except (ValueError, RuntimeError, ConnectionError, TimeoutError) as e:

@@ -166,7 +166,8 @@ def _check_before_start(spec: NodeSpec, sdir: Path, connect_timeout_s: float) ->
         if _leader_alive(rec):
             raise RuntimeError(f"a {spec.role} node {spec.name} started by this tool is already running "
                                f"(pid {rec['pid']}); `python -m launch.cluster stop` first")
-        rec_file.unlink()
+        rec["_file"] = str(rec_file)
+        stop_records([rec], grace_s=0)  # a node that died: take down whatever of it is left, and its pid file
     if spec.role == "head":
         if net.port_in_use(spec.node_ip, spec.port):
             raise RuntimeError(f"port {spec.port} on {spec.node_ip} is already in use (another Ray head? check "

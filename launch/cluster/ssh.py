@@ -50,13 +50,15 @@ class HostError(RuntimeError):
         self.host = host
 
 
-def run_on(cfg: SshConfig, host: str, args: list[str], stdin: str | None = None) -> str:
+def run_on(cfg: SshConfig, host: str, args: list[str], stdin: str | None = None,
+           timeout_s: float | None = None) -> str:
     """Run one launch.cluster command on a host; its stdout, or HostError naming the host."""
+    timeout_s = timeout_s or cfg.timeout_s
     try:
         proc = subprocess.run(ssh_argv(cfg, host, args), input=stdin or "", capture_output=True, text=True,
-                              timeout=cfg.timeout_s)
+                              timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise HostError(host, f"`{args[0]}`", f"no answer within {cfg.timeout_s:.0f} s") from None
+        raise HostError(host, f"`{args[0]}`", f"no answer within {timeout_s:.0f} s") from None
     except FileNotFoundError:
         raise HostError(host, f"`{args[0]}`", "no `ssh` on PATH") from None
     if proc.returncode != 0:
@@ -110,7 +112,7 @@ def up(hosts: list[str], cfg: SshConfig, port: int = 6379, node_args: list[str] 
         if errors:
             raise errors[0]
         run_on(cfg, head, ["wait", "--address", address, "--nodes", str(len(hosts)), "--timeout", str(timeout_s),
-                           "--node-ip-address", head])
+                           "--node-ip-address", head], timeout_s=max(cfg.timeout_s, timeout_s + 60))
         return address
     except BaseException:
         failed = down(started, cfg, log=log)
