@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import pathlib
 from collections.abc import Callable
 
@@ -33,4 +34,14 @@ def load_reward_fn(path: str, name: str = "compute_score") -> Callable:
     fn = getattr(module, name)
     if not callable(fn):
         raise TypeError(f"{name!r} in custom reward file {str(file)!r} is a {type(fn).__name__}, not a function")
+    # A wrong signature would otherwise fail on every sample at run time, each scored 0 and merely counted.
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none to read: let the call decide
+        return fn
+    try:
+        signature.bind("data_source", "solution_str", "ground_truth", "extra_info")
+    except TypeError as e:
+        raise TypeError(f"{name}{signature} in custom reward file {str(file)!r} cannot be called as "
+                        f"{name}(data_source, solution_str, ground_truth, extra_info): {e}") from None
     return fn
