@@ -130,6 +130,8 @@ VALIDATE_CASES = {
                     r"tp\*pp\*cp=2\*1\*1"),
     "layers_vs_pp": (["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=4"],
                      r"actor_rollout_ref.actor.megatron: pp=4 does not divide num_hidden_layers=2"),
+    "heads_vs_tp": (["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"],
+                    r"actor_rollout_ref.actor.megatron: tp=3 does not divide num_attention_heads=4"),
     "kv_heads_vs_tp": (["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"],
                        r"actor_rollout_ref.actor.megatron: tp=4 does not divide num_key_value_heads=2"),
     "kv_heads_vs_rollout_tp": (["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
@@ -346,6 +348,24 @@ def test_null_reward_model_struct_names_the_row(tmp_path):
         _dataset(path)
 
 
+def test_null_data_source_names_the_row(tmp_path):
+    path = write_rows(tmp_path / "src.parquet", [_row("a"), _row("b", source=None)])
+    with pytest.raises(ValueError, match=r"src.parquet' row 1: data_source is None; it names the reward scorer"):
+        _dataset(path)
+
+
+def test_data_source_without_a_scorer_fails_before_the_first_reward_stage(files, tmp_path):
+    from hybridflow.config import checks
+
+    data = write_rows(tmp_path / "mine.parquet", [_row("a"), _row("b"), _row("c", source="my/dataset")])
+    cfg = _validate(files, f"data.train_files=[{data}]")
+    with pytest.raises(ValueError, match=r"mine.parquet' row 2: data_source 'my/dataset' has no rule scorer \(1 rows"):
+        checks.data_files(cfg)
+    reward = _reward_file(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                                    "    return 0.0\n")
+    checks.data_files(_validate(files, f"data.train_files=[{data}]", f"custom_reward_function.path={reward}"))
+
+
 def test_missing_reward_model_column(tmp_path):
     path = write_rows(tmp_path / "cols.parquet", [{"prompt": "a", "data_source": "s"}])
     with pytest.raises(KeyError, match=r"cols.parquet' has no column 'reward_model' \(columns: \['prompt', "
@@ -405,6 +425,20 @@ def test_reward_function_name_that_is_missing_fails_in_validate(files, tmp_path)
     with pytest.raises(ValueError, match=r"name='score_fn': custom reward file .* has no function 'score_fn'; it "
                                          r"defines: \['compute_score'\]"):
         _validate(files, f"custom_reward_function.path={path}", "custom_reward_function.name=score_fn")
+
+
+def test_reward_file_whose_import_hangs_fails_in_validate(files, tmp_path, monkeypatch):
+    """A top level that does not return (here: 4 s, standing for forever) is bounded at start."""
+    from hybridflow.rewards import user_fn
+
+    monkeypatch.setattr(user_fn, "IMPORT_TIMEOUT_S", 0.5)
+    path = _reward_file(tmp_path, "import time\ntime.sleep(4)\n"
+                                  "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                                  "    return 1.0\n")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"custom_reward_function.path=.*reward.py' did not finish in 0.5 s"):
+        _validate(files, f"custom_reward_function.path={path}")
+    assert time.monotonic() - start < 3.5
 
 
 def test_reward_function_with_the_wrong_signature_fails_in_validate(files, tmp_path):

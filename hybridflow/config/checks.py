@@ -178,7 +178,7 @@ def reward_fn(c) -> None:
 
     try:
         load_reward_fn(c.path, c.name)
-    except (FileNotFoundError, ImportError, AttributeError, TypeError) as e:
+    except (FileNotFoundError, ImportError, AttributeError, TypeError, TimeoutError) as e:
         raise ValueError(f"custom_reward_function.path={c.path!r} name={c.name!r}: {e}") from None
 
 
@@ -199,4 +199,21 @@ def data_files(cfg) -> None:
     validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
     for files in (cfg.data.train_files, cfg.data.val_files if validating else []):
         if files:
-            RLDataset.from_config(files, tokenizer, cfg.data)
+            _scorers_exist(cfg, RLDataset.from_config(files, tokenizer, cfg.data))
+
+
+def _scorers_exist(cfg, dataset) -> None:
+    """Every row's data_source has a rule scorer, unless a user function or a replacing reward model scores
+    all rows; otherwise the first reward stage would fail, after every worker has started."""
+    from hybridflow.rewards.manager import BUILTIN_SCORERS
+
+    rm = cfg.reward_model
+    if cfg.custom_reward_function.path or (rm.enable and rm.reward_mode == "replace"):
+        return
+    unknown = [item for item in dataset if item["data_source"] not in BUILTIN_SCORERS]
+    if unknown:
+        file, row = dataset.origin[unknown[0]["index"]]
+        sources = sorted({item["data_source"] for item in unknown})
+        raise ValueError(f"data file {file!r} row {row}: data_source {unknown[0]['data_source']!r} has no rule "
+                         f"scorer ({len(unknown)} rows, sources {sources[:5]}; known: {sorted(BUILTIN_SCORERS)}); "
+                         "set custom_reward_function.path, or reward_model.enable=true")

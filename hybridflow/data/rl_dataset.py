@@ -79,7 +79,11 @@ class RLDataset:
             file_rows = _read_rows(file, prompt_key)
             rows.extend(file_rows)
             origin.extend((file, i) for i in range(len(file_rows)))
+        self.origin = origin  # by item["index"]: (file, row) for error messages downstream
         for row, (file, i) in zip(rows, origin):
+            if not isinstance(row["data_source"], str) or not row["data_source"]:
+                raise ValueError(f"data file {file!r} row {i}: data_source is {row['data_source']!r}; it names the "
+                                 "reward scorer (e.g. 'openai/gsm8k') and must be a non-empty string")
             reward = row["reward_model"]
             if not isinstance(reward, dict) or "ground_truth" not in reward or reward["ground_truth"] is None:
                 raise ValueError(f"data file {file!r} row {i}: reward_model has no ground_truth ({reward!r})")
