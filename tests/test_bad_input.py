@@ -255,6 +255,27 @@ def test_no_weights_at_all(files, tmp_path):
         _validate(files, f"actor_rollout_ref.model.path={model}")
 
 
+def test_weights_missing_a_tensor_the_loader_needs(files, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = _model_copy(files, tmp_path)
+    tensors = load_file(model / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.path=.*model.safetensors: missing tensors "
+                                         r"\['model.layers.1.mlp.down_proj.weight'\]"):
+        _validate(files, f"actor_rollout_ref.model.path={model}")
+
+
+def test_a_model_type_the_builder_does_not_map(files, tmp_path):
+    model = _model_copy(files, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.path=.*model_type='gpt2' is not supported"):
+        _validate(files, f"actor_rollout_ref.model.path={model}")
+
+
 def test_config_json_that_is_not_json(files, tmp_path):
     model = _model_copy(files, tmp_path)
     text = (model / "config.json").read_text()

@@ -50,15 +50,22 @@ def model_config(key: str, path: str) -> dict:
     return cfg
 
 
-def model_weights(key: str, path: str) -> None:
+def model_weights(key: str, path: str, hf_config: dict | None = None) -> None:
     """Every safetensors file of the directory exists and is complete (header parsed, size checked), with the
-    reader the workers use; no tensor data is read."""
-    from megatron_workers.hf_io import CheckpointError, checkpoint_weight_map, safetensors_header
+    reader the workers use; no tensor data is read. With `hf_config` (a causal LM: the actor), also that the
+    model type is one the Megatron builder maps and that every tensor it will load is there, as
+    megatron_workers.convert checks before a conversion."""
+    from megatron_workers.hf_io import CheckpointError, check_checkpoint, checkpoint_weight_map, safetensors_header
 
     try:
         for file in sorted(set(checkpoint_weight_map(path).values())):
             safetensors_header(file)
-    except CheckpointError as e:
+        if hf_config is not None:
+            from megatron_workers import hf_mapping
+
+            check_checkpoint(path, {h for n in hf_mapping.mcore_param_names(hf_config)
+                                    for h in hf_mapping.describe(n, hf_config).hf_names})
+    except (CheckpointError, ValueError) as e:  # ValueError: UnsupportedModelError from the builder's table
         raise ValueError(f"{key}={path!r}: {e}") from None
 
 

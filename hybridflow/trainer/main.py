@@ -21,11 +21,11 @@ log = logging.getLogger("hybridflow")
 PLACEMENTS = ("colocate", "split")
 
 
-def _hf_config(key: str, path: str) -> dict:
+def _hf_config(key: str, path: str, causal_lm: bool = False) -> dict:
     """The config.json of the HF directory named by config key `key`, checked with its safetensors files
-    (complete, readable headers), or an error naming the key."""
+    (complete, readable headers; for a causal LM also every tensor the loader needs), or an error naming the key."""
     config = checks.model_config(key, path)  # raises on a missing, invalid or incomplete config.json
-    checks.model_weights(key, path)
+    checks.model_weights(key, path, config if causal_lm else None)
     return config
 
 
@@ -58,7 +58,7 @@ def validate(cfg: HybridFlowConfig) -> None:
 
     a = cfg.actor_rollout_ref
     checks.trainer_keys(cfg.trainer)  # the world size below is made of them
-    actor_hf = _hf_config("actor_rollout_ref.model.path", a.model.path)
+    actor_hf = _hf_config("actor_rollout_ref.model.path", a.model.path, causal_lm=True)
     checks.tokenizer_dir("actor_rollout_ref.model.tokenizer_path" if a.model.tokenizer_path else
                          "actor_rollout_ref.model.path", a.model.tokenizer_path or a.model.path)
     checks.model_dtype("actor_rollout_ref.model.dtype", a.model.dtype)
