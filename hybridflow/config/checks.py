@@ -143,8 +143,8 @@ def sampling(cfg) -> None:
                          f"log-probs are divided by it (greedy decoding is for {key}.val_kwargs)")
     if not _finite(r.top_p) or not 0 < r.top_p <= 1:
         raise ValueError(f"{key}.top_p={r.top_p} must be in (0, 1]")
-    if r.top_k == 0 or r.top_k < -1:
-        raise ValueError(f"{key}.top_k={r.top_k} must be -1 (off) or >= 1")
+    if r.top_k < -1:  # vLLM and HF both read 0 and -1 as off
+        raise ValueError(f"{key}.top_k={r.top_k} must be -1 or 0 (off), or >= 1")
     for k, v in ((f"{key}.response_length", r.response_length), ("data.max_prompt_length", d.max_prompt_length),
                  ("data.max_response_length", d.max_response_length)):
         if not _is_count(v):
