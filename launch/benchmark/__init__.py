@@ -5,6 +5,6 @@ The HybridFlow paper's method (section 8.1): W warm-up steps, then S timed steps
 and 5), reported per stage from the trainer's own timers and throughput metrics. The last line printed is one
 JSON object (stages, totals, peak memory per worker group, layout, package versions, git commit, device).
 
-stages.py: the table from step metrics (pure); run.py: the job (hybridflow.trainer.main.build_trainer);
+stages.py: the table from step metrics (pure); run.py: the job (hybridflow.trainer.main.trainer_session);
 report.py: text tables and --compare.
 """

@@ -1,6 +1,6 @@
 """Run the real job for W warm-up + S timed steps and collect what the benchmark reports.
 
-The job is the trainer's own (hybridflow.trainer.main.build_trainer + RayPPOTrainer.fit): same config loading,
+The job is the trainer's own (hybridflow.trainer.main.trainer_session + RayPPOTrainer.fit): same config loading,
 validation, pools and worker groups. The benchmark only pins what would distort a timing: no checkpoints, no
 validation, no resume, a fresh run directory.
 """
@@ -98,7 +98,7 @@ def run_benchmark(config: str | None, overrides: list[str], warmup: int = 10, st
     import ray
 
     from hybridflow.config.load import load_config
-    from hybridflow.trainer.main import build_trainer, count_params, placement_of, validate
+    from hybridflow.trainer.main import count_params, placement_of, trainer_session, validate, validate_cluster
     from launch.benchmark.stages import summarize
     from launch.plan.paper import PUBLISHED, RECIPE_PUBLISHED
 
@@ -106,11 +106,12 @@ def run_benchmark(config: str | None, overrides: list[str], warmup: int = 10, st
     all_overrides = bench_overrides(overrides, warmup, steps)
     cfg = load_config(config, all_overrides)
     validate(cfg)
+    validate_cluster(cfg)
     place = placement_of(cfg)
-    trainer = build_trainer(cfg, validated=True)
     try:
-        history = trainer.fit()
-        memory = peak_memory(trainer)
+        with trainer_session(cfg, validated=True) as trainer:
+            history = trainer.fit()
+            memory = peak_memory(trainer)
     finally:
         ray.shutdown()  # before printing: no worker log line may come after the JSON
     rows = [r for r in history if "perf/time_per_step" in r]
