@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compare is not None:
         try:
-            results = {Path(p).stem: load_result(p) for p in args.compare}
+            stems = [Path(p).stem for p in args.compare]
+            # a column per file: the file's stem, or its path where two files share a stem (a/result, b/result)
+            results = {(stem if stems.count(stem) == 1 else p): load_result(p)
+                       for stem, p in zip(stems, args.compare, strict=True)}
         except (OSError, ValueError) as e:
             print(f"benchmark: {e}", file=sys.stderr)
             return 2
