@@ -1,6 +1,6 @@
 """The GPU check (launch/gpu_check.sh runs it): one JSON line with what only a GPU can tell.
 
-    python launch/gpu_check.py             # CUDA + NCCL: a ~1B Llama (bf16) on every local GPU
+    python launch/gpu_check.py             # CUDA + NCCL: a ~0.97B Llama (bf16); the reshard part on every local GPU
     python launch/gpu_check.py --dry-run   # CPU + gloo: the same code at a tiny size (what CI can run)
 
 Three parts, each in its own torchrun job (so one failure does not hide the others, and every job has a timeout):
@@ -32,7 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-# ~1.1B parameters (16 layers x 61M + embeddings over the tiny tokenizer's vocab): Llama-3.2-1B's width and depth.
+# ~0.97B parameters (16 layers x 61M; the tiny tokenizer's 103-token vocab adds almost nothing): Llama-3.2-1B's
+# width and depth.
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192)
 FULL_SIZE = dict(preset="medium", model=LLAMA_1B, dtype="bf16", batch=16, micro_batch=4, prompt_len=512,
