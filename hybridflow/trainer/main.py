@@ -272,8 +272,9 @@ def build_groups(cfg: HybridFlowConfig) -> dict:
     pools = make_pools(cfg, list(specs))
     log.info("trainer.placement=%s: %s", cfg.trainer.placement,
              ", ".join(f"{name} in pool '{pools[name].name}'" for name in specs))
-    env = {"TOKENIZERS_PARALLELISM": "false"}
-    groups = {name: RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s)
+    env = {"TOKENIZERS_PARALLELISM": "false", **fault_env(cfg)}
+    groups = {name: RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s,
+                                   detect_timeout_s=cfg.trainer.fault.detect_timeout_s)
               for name, (cls, args, role) in specs.items()}
     # One group at a time, the actor's first, each on a port picked just before its init (vLLM in the
     # actor processes opens ports while it starts).
@@ -281,6 +282,19 @@ def build_groups(cfg: HybridFlowConfig) -> dict:
         group.refresh_rendezvous()
         group.init_model()
     return {name: groups.get(name) for name in ("actor_rollout", "ref", "critic", "reward_model")}
+
+
+def fault_env(cfg: HybridFlowConfig) -> dict[str, str]:
+    """trainer.fault as the workers read it (they get their role's config only), plus a test's fault hook."""
+    from hybridflow.controller import fault_inject
+
+    f = cfg.trainer.fault
+    env = {"HYBRIDFLOW_PG_TIMEOUT_S": str(f.pg_timeout_s), "HYBRIDFLOW_SKIP_NONFINITE": str(int(f.skip_nonfinite)),
+           "HYBRIDFLOW_MAX_NONFINITE": str(f.max_nonfinite)}
+    for key in (fault_inject.ENV, fault_inject.STATE_ENV):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
 
 
 def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
@@ -305,7 +319,6 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
                                            truncation=cfg.data.truncation)
     dataset = make_dataset(cfg.data.train_files)
     val_dataset = make_dataset(cfg.data.val_files) if wants_validation(cfg) else None
-    sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed, shuffle=cfg.data.shuffle)
     reward = RewardManager.from_config(cfg.custom_reward_function)
 
     r = cfg.trainer.ray
@@ -313,13 +326,37 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     num_cpus = r.num_cpus or (None if r.address else max(16, os.cpu_count() or 1))
     save_resolved(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
-    groups = build_groups(cfg)
-    trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
-                            ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset)
-    trainer.n_params = _count_params(a.model.path)
-    history = trainer.fit()
-    trainer.finish(history)
-    return history
+    import torch
+
+    from hybridflow.trainer.restart import resume_mode_for_restart, run_with_restarts, teardown
+
+    rng = torch.get_rng_state()  # each attempt starts where the first did (a resume then sets the saved one)
+    original_mode, state = str(cfg.trainer.resume_mode), {"trainer": None, "saved": None}
+
+    def attempt(n: int, restart_log) -> list[dict]:
+        torch.set_rng_state(rng)
+        cfg.trainer.resume_mode = resume_mode_for_restart(original_mode, state["saved"])
+        groups = {}
+        try:
+            groups = build_groups(cfg)
+            sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed,
+                                       shuffle=cfg.data.shuffle)
+            trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"],
+                                    groups["critic"], ref=groups["ref"], reward_model=groups["reward_model"],
+                                    val_dataset=val_dataset)
+            trainer.n_params = _count_params(a.model.path)
+            trainer.on_resumed = restart_log.resumed
+            state["trainer"] = trainer
+            history = trainer.fit()
+            trainer.finish(history)
+            return history
+        finally:
+            if state["trainer"] is not None and state["trainer"].last_saved is not None:
+                state["saved"] = str(state["trainer"].last_saved)
+            teardown(groups)  # also on success: no worker outlives its run
+
+    current_step = lambda: state["trainer"].global_step if state["trainer"] is not None else 0
+    return run_with_restarts(cfg.trainer.max_restarts, attempt, cfg.trainer.default_local_dir, current_step)
 
 
 def _count_params(path: str) -> int:
