@@ -249,13 +249,13 @@ class MegatronEngine:
 
         def make_loss(micro, output):
             loss, metrics = loss_fn(output, micro)
+            if fault_inject.nan_requested():  # tests: a NaN loss exactly where HYBRIDFLOW_FAULT says
+                loss = loss * float("nan")
             weight = (count_fn(micro) / total).to(loss.dtype)
             for k, v in {"loss": loss, **metrics}.items():
                 # Clone/detach: the schedule divides the returned loss in place.
                 value = (torch.as_tensor(v).detach().to(torch.float64) * weight.double()).cpu()
                 sums[k] = sums.get(k, 0.0) + value
-            if fault_inject.nan_requested():  # tests: a NaN loss exactly where HYBRIDFLOW_FAULT says
-                loss = loss * float("nan")
             # Undo the schedule's 1/num_microbatches and DDP's 1/dp average: the weights already sum to 1.
             return loss * weight * (num_micro * self.dp_size * loss_scale), {}
 

@@ -40,15 +40,16 @@ class NonFiniteGuard:
         self.streak = 0
 
     def _local_problem(self, model: list, loss: float) -> str | None:
-        if not math.isfinite(loss):
-            return f"loss = {loss}"
+        """This rank's loss if it is not finite, and the first gradient that is not, with its stats."""
+        problems = [f"loss = {loss}"] if not math.isfinite(loss) else []
         for chunk in model:
             for name, p in chunk.named_parameters():
                 g = getattr(p, "main_grad", None)
                 g = p.grad if g is None else g
                 if g is not None and not torch.isfinite(g).all():
-                    return "grad of " + tensor_stats(name, g)
-        return None
+                    problems.append("grad of " + tensor_stats(name, g))
+                    return "; ".join(problems)
+        return "; ".join(problems) or None
 
     def check(self, model: list, loss: float) -> str | None:
         """Collective. None if every rank's loss and grads are finite, else this rank's diagnosis (or a note

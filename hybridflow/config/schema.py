@@ -147,9 +147,10 @@ class CustomRewardConfig:
     path: str | None = None
     name: str = "compute_score"
     timeout_s: float = 5.0
-    # sandbox: score each batch in a child process (hybridflow/rewards/sandbox.py) limited to timeout_s x the
-    # batch's samples of wall time and memory_mb of address space; a batch over a limit scores 0 and is counted.
+    # sandbox: score each batch in a child process (hybridflow/rewards/sandbox.py) limited to sandbox_timeout_s
+    # of wall time and memory_mb of address space; a batch over a limit scores 0 and is counted.
     sandbox: bool = False
+    sandbox_timeout_s: float = 60.0
     memory_mb: int = 1024
 
 
