@@ -89,7 +89,10 @@ def _claim(fault: Fault) -> bool:
         fd = os.open(Path(state) / f"fired_{fault.index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
-    os.write(fd, f"{fault.stage} pid={os.getpid()}\n".encode())
+    import json
+    import time
+
+    os.write(fd, json.dumps({"stage": fault.stage, "pid": os.getpid(), "time": time.time()}).encode())
     os.close(fd)
     return True
 
