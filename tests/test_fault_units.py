@@ -77,3 +77,21 @@ def test_nonfinite_guard_names_the_tensor_and_counts_the_streak():
     with pytest.raises(NonFiniteUpdateError, match="2 updates in a row.*max_nonfinite=2.*loss = inf"):
         guard.check([model], math.inf)
     assert NonFiniteGuard("x", enabled=False).check([model], math.nan) is None
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("key,value,error", [("max_restarts", -1, "trainer.max_restarts=-1 must be >= 0"),
+                                             ("fault.pg_timeout_s", 0.0, "trainer.fault.pg_timeout_s=0.0 must be > 0"),
+                                             ("fault.detect_timeout_s", math.nan, "detect_timeout_s=nan must be")])
+def test_bad_fault_settings_name_the_key(key, value, error):
+    from hybridflow.config.schema import HybridFlowConfig
+    from hybridflow.trainer.main import _validate_fault
+
+    cfg = HybridFlowConfig()
+    target, _, leaf = f"trainer.{key}".rpartition(".")
+    obj = cfg
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    setattr(obj, leaf, value)
+    with pytest.raises(ValueError, match=error):
+        _validate_fault(cfg)

@@ -94,6 +94,24 @@ def validate(cfg: HybridFlowConfig) -> None:
                          f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
     _validate_reward_model(cfg, world, actor_hf)
     _validate_validation(cfg)
+    _validate_fault(cfg)
+
+
+def _validate_fault(cfg: HybridFlowConfig) -> None:
+    """trainer.max_restarts, trainer.fault.* and the reward sandbox's limits (README 'Reliability')."""
+    t, f, r = cfg.trainer, cfg.trainer.fault, cfg.custom_reward_function
+    checks = [("trainer.max_restarts", t.max_restarts, t.max_restarts >= 0, ">= 0"),
+              ("trainer.fault.detect_timeout_s", f.detect_timeout_s, f.detect_timeout_s > 0, "> 0"),
+              ("trainer.fault.pg_timeout_s", f.pg_timeout_s, f.pg_timeout_s > 0, "> 0"),
+              ("trainer.fault.max_nonfinite", f.max_nonfinite, f.max_nonfinite >= 0, ">= 0 (0: never abort)"),
+              ("custom_reward_function.sandbox_timeout_s", r.sandbox_timeout_s, r.sandbox_timeout_s > 0, "> 0"),
+              ("custom_reward_function.memory_mb", r.memory_mb, r.memory_mb >= 64, ">= 64")]
+    for key, value, ok, need in checks:
+        if not ok:
+            raise ValueError(f"{key}={value} must be {need}")
+    if t.max_restarts and t.save_freq <= 0:
+        log.warning("trainer.max_restarts=%d with trainer.save_freq=%d: a restart has no checkpoint of this run "
+                    "and starts over from step 0", t.max_restarts, t.save_freq)
 
 
 def _validate_loss_names(cfg: HybridFlowConfig) -> None:
