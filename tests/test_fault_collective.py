@@ -27,6 +27,8 @@ def test_rank_killed_in_a_collective_is_named_and_the_survivor_torn_down(ray_clu
         detected = time.perf_counter() - t
         print(f"\nrank 1 killed while rank 0 waits in all_reduce: named after {detected:.2f} s")
         assert detected < 20
+        # The GCS view the wait also polls (every detect_timeout_s / 2) agrees: rank 1 dead, rank 0 alive.
+        assert group._dead_ranks([0, 1]) == [1]
     finally:
         group.kill()
         pool.remove()
