@@ -1,8 +1,9 @@
 """Surviving a dead worker: tear every worker group down, rebuild on fresh processes, resume.
 
-`run_with_restarts` runs one attempt (build the groups, fit) and, when a worker died or a wait timed out
-(WorkerDiedError, WorkerTimeoutError) and trainer.max_restarts allows, tears down every group and its
-placement groups and runs the next attempt, which resumes from the newest complete checkpoint. A worker
+`run_with_restarts` runs one attempt (build the groups, fit, and always take every group and placement
+group down: hybridflow.controller.teardown.Teardown) and, when a worker died or a wait timed out
+(WorkerDiedError, WorkerTimeoutError) and trainer.max_restarts allows, runs the next attempt on fresh
+processes, ports and process groups, which resumes from the newest complete checkpoint. A worker
 that *raised* (WorkerError: a bug, bad data, NonFiniteUpdateError) is not restarted: it would raise again.
 
 Each restart is logged and appended to <run_dir>/restarts.jsonl: the count, the cause (role, rank, stage),
@@ -21,18 +22,6 @@ from hybridflow.controller.errors import WorkerDiedError, WorkerTimeoutError
 
 log = logging.getLogger(__name__)
 RESTARTABLE = (WorkerDiedError, WorkerTimeoutError)
-
-
-def teardown(groups: dict) -> None:
-    """Kill every rank of every group (survivors may sit in a collective) and free their placement groups."""
-    pools = {}
-    for group in groups.values():
-        if group is None:
-            continue
-        group.kill()
-        pools[id(group.pool)] = group.pool
-    for pool in pools.values():
-        pool.remove()
 
 
 def resume_mode_for_restart(original: str, saved_this_run: str | None) -> str:
