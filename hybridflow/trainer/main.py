@@ -144,6 +144,24 @@ def validate(cfg: HybridFlowConfig) -> None:
                          f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
     _validate_reward_model(cfg, place, actor_hf)
     _validate_validation(cfg)
+    _validate_fault(cfg)
+
+
+def _validate_fault(cfg: HybridFlowConfig) -> None:
+    """trainer.max_restarts, trainer.fault.* and the reward sandbox's limits (README 'Reliability')."""
+    t, f, r = cfg.trainer, cfg.trainer.fault, cfg.custom_reward_function
+    checks = [("trainer.max_restarts", t.max_restarts, t.max_restarts >= 0, ">= 0"),
+              ("trainer.fault.detect_timeout_s", f.detect_timeout_s, f.detect_timeout_s > 0, "> 0"),
+              ("trainer.fault.pg_timeout_s", f.pg_timeout_s, f.pg_timeout_s > 0, "> 0"),
+              ("trainer.fault.max_nonfinite", f.max_nonfinite, f.max_nonfinite >= 0, ">= 0 (0: never abort)"),
+              ("custom_reward_function.sandbox_timeout_s", r.sandbox_timeout_s, r.sandbox_timeout_s > 0, "> 0"),
+              ("custom_reward_function.memory_mb", r.memory_mb, r.memory_mb >= 64, ">= 64")]
+    for key, value, ok, need in checks:
+        if not ok:
+            raise ValueError(f"{key}={value} must be {need}")
+    if t.max_restarts and t.save_freq <= 0:
+        log.warning("trainer.max_restarts=%d with trainer.save_freq=%d: a restart has no checkpoint of this run "
+                    "and starts over from step 0", t.max_restarts, t.save_freq)
 
 
 def _validate_loss_names(cfg: HybridFlowConfig) -> None:
@@ -338,13 +356,14 @@ def build_groups(cfg: HybridFlowConfig, place=None, teardown=None) -> dict:
     log.info("%s: %s%s", place.source, ", ".join(f"{name} in pool '{pools[name].name}' {pools[name].procs_per_node}"
                                                  for name in specs),
              " (the ref in the actor's processes)" if actor_role == "actor_rollout_ref" else "")
-    env = {"TOKENIZERS_PARALLELISM": "false"}
+    env = {"TOKENIZERS_PARALLELISM": "false", **fault_env(cfg)}
     teardown = teardown if teardown is not None else Teardown()
     for pool in pools.values():
         teardown.add_pool(pool)
     groups = {}
     for name, (cls, args, role) in specs.items():
-        groups[name] = RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s)
+        groups[name] = RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s,
+                                      detect_timeout_s=cfg.trainer.fault.detect_timeout_s)
         teardown.add_group(groups[name])
         log.info("%s: %d ranks on nodes %s", name, groups[name].world_size,
                  " ".join(f"{i}={n[:8]}" for i, n in enumerate(pools[name].node_ids())))
@@ -356,6 +375,19 @@ def build_groups(cfg: HybridFlowConfig, place=None, teardown=None) -> dict:
     return {name: groups.get(name) for name in ("actor_rollout", "ref", "critic", "reward_model")}
 
 
+def fault_env(cfg: HybridFlowConfig) -> dict[str, str]:
+    """trainer.fault as the workers read it (they get their role's config only), plus a test's fault hook."""
+    from hybridflow.controller import fault_inject
+
+    f = cfg.trainer.fault
+    env = {"HYBRIDFLOW_PG_TIMEOUT_S": str(f.pg_timeout_s), "HYBRIDFLOW_SKIP_NONFINITE": str(int(f.skip_nonfinite)),
+           "HYBRIDFLOW_MAX_NONFINITE": str(f.max_nonfinite)}
+    for key in (fault_inject.ENV, fault_inject.STATE_ENV):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
 def validate_cluster(cfg: HybridFlowConfig) -> None:
     """Without trainer.ray.address the trainer starts a one-machine cluster, which cannot hold several nodes."""
     if not cfg.trainer.ray.address and cfg.trainer.nnodes > 1:
@@ -364,26 +396,63 @@ def validate_cluster(cfg: HybridFlowConfig) -> None:
 
 
 def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
-    """Build every worker group and run the loop; `validated`: main() already ran validate(cfg)."""
-    with trainer_session(cfg, validated) as trainer:
-        history = trainer.fit()
-        trainer.finish(history)
-    return history
+    """Build every worker group and run the loop; `validated`: main() already ran validate(cfg).
+    With trainer.max_restarts, a dead worker takes every group down and the job resumes from its newest checkpoint."""
+    import torch
+
+    from hybridflow.controller.teardown import Teardown, exit_on_sigterm
+    from hybridflow.trainer.restart import resume_mode_for_restart, run_with_restarts
+
+    parts = _prepare_run(cfg, validated)
+    place = placement_of(cfg)
+    rng = torch.get_rng_state()  # each attempt starts where the first did (a resume then sets the saved one)
+    original_mode, state = str(cfg.trainer.resume_mode), {"trainer": None, "saved": None}
+
+    def attempt(n: int, restart_log) -> list[dict]:
+        torch.set_rng_state(rng)
+        cfg.trainer.resume_mode = resume_mode_for_restart(original_mode, state["saved"])
+        teardown = Teardown()  # every group and placement group of this attempt, whatever happens
+        try:
+            trainer = _make_trainer(cfg, place, teardown, *parts)
+            trainer.on_resumed = restart_log.resumed
+            state["trainer"] = trainer
+            history = trainer.fit()
+            trainer.finish(history)
+            return history
+        finally:
+            if state["trainer"] is not None and state["trainer"].last_saved is not None:
+                state["saved"] = str(state["trainer"].last_saved)
+            teardown.close()  # also on success: no worker outlives its run
+
+    current_step = lambda: state["trainer"].global_step if state["trainer"] is not None else 0
+    with exit_on_sigterm():  # `ray job stop`: unwind, then take the workers and placement groups down
+        return run_with_restarts(cfg.trainer.max_restarts, attempt, cfg.trainer.default_local_dir, current_step)
 
 
 @contextlib.contextmanager
 def trainer_session(cfg: HybridFlowConfig, validated: bool = False):
-    """Validate (unless `validated`), start Ray, build the data, reward and every worker group on its pool, and
-    yield a RayPPOTrainer ready to fit(); on leaving (normally, on an error, or on SIGTERM from `ray job stop`)
-    every worker group and placement group it made is taken down. launch.benchmark runs its steps in here too."""
+    """One attempt, no restarts: validate (unless `validated`), start Ray, build every worker group on its pool
+    and yield a RayPPOTrainer ready to fit(); on leaving (normally, on an error, or on SIGTERM from `ray job stop`)
+    every worker group and placement group it made is taken down. launch.benchmark runs its steps in here."""
+    from hybridflow.controller.teardown import Teardown, exit_on_sigterm
+
+    parts = _prepare_run(cfg, validated)
+    place = placement_of(cfg)
+    teardown = Teardown()
+    with exit_on_sigterm():
+        try:
+            yield _make_trainer(cfg, place, teardown, *parts)
+        finally:
+            teardown.close()
+
+
+def _prepare_run(cfg: HybridFlowConfig, validated: bool) -> tuple:
+    """Validate (unless done), then the tokenizer, datasets and reward, then Ray: what every attempt shares."""
     from transformers import AutoTokenizer
 
     from hybridflow.controller import init_ray
-    from hybridflow.controller.teardown import Teardown, exit_on_sigterm
     from hybridflow.data.rl_dataset import RLDataset
-    from hybridflow.data.sampler import ResumableSampler
     from hybridflow.rewards.manager import RewardManager
-    from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 
     if not validated:
         validate(cfg)
@@ -394,7 +463,6 @@ def trainer_session(cfg: HybridFlowConfig, validated: bool = False):
     make_dataset = lambda files: RLDataset.from_config(files, tokenizer, cfg.data)
     dataset = make_dataset(cfg.data.train_files)
     val_dataset = make_dataset(cfg.data.val_files) if wants_validation(cfg) else None
-    sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed, shuffle=cfg.data.shuffle)
     reward = RewardManager.from_config(cfg.custom_reward_function)
 
     r = cfg.trainer.ray
@@ -408,19 +476,21 @@ def trainer_session(cfg: HybridFlowConfig, validated: bool = False):
     log.info("run dir: %s", run_dir)
     save_resolved(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
-    place = placement_of(cfg)
-    teardown = Teardown()
-    with exit_on_sigterm():  # `ray job stop`: unwind, then take the workers and placement groups down
-        try:
-            groups = build_groups(cfg, place, teardown)
-            trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"],
-                                    groups["critic"], ref=groups["ref"], reward_model=groups["reward_model"],
-                                    val_dataset=val_dataset)
-            trainer.n_devices = place.n_devices  # every pool's processes: verl's perf/throughput divides by them
-            trainer.n_params = count_params(a.model.path)
-            yield trainer
-        finally:
-            teardown.close()
+    return tokenizer, dataset, val_dataset, reward
+
+
+def _make_trainer(cfg: HybridFlowConfig, place, teardown, tokenizer, dataset, val_dataset, reward):
+    """Every worker group on its pool (told to `teardown` as made) and a RayPPOTrainer over them."""
+    from hybridflow.data.sampler import ResumableSampler
+    from hybridflow.trainer.ppo_trainer import RayPPOTrainer
+
+    groups = build_groups(cfg, place, teardown)
+    sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed, shuffle=cfg.data.shuffle)
+    trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
+                            ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset)
+    trainer.n_devices = place.n_devices  # every pool's processes: verl's perf/throughput divides by them
+    trainer.n_params = count_params(cfg.actor_rollout_ref.model.path)
+    return trainer
 
 
 def count_params(path: str) -> int:
