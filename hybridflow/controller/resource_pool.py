@@ -1,8 +1,9 @@
 """Resource pools: Ray placement groups with one bundle per worker process.
 
 A pool is one or several nodes. Worker groups created on the same pool are
-colocated (they share bundles, each taking a fraction); a pool per role is the
-split placement. On CPU, processes get fractional CPUs; a node can be pinned
+colocated (they share bundles, each taking a fraction); which roles share a pool is
+hybridflow/trainer/placement.py's (trainer.placement presets or trainer.resource_pools).
+On CPU, processes get fractional CPUs; a node can be pinned
 through a custom resource (e.g. "node0" on a simulated loopback cluster).
 Without one, each node's bundle set is kept off the nodes the pool already holds
 (a label selector on Ray's node id), so an N-node pool lands on N distinct nodes.
