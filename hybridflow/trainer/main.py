@@ -37,11 +37,50 @@ def _role_dims(key: str, m, world: int, hf_config: dict):
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     if tp < 1 or pp < 1 or cp < 1 or world % (tp * pp * cp):
         raise ValueError(f"trainer.n_gpus_per_node*nnodes={world} is not divisible by {key} tp*pp*cp={tp}*{pp}*{cp}")
+    from hybridflow.parallel.dims import check_recompute
+    from megatron_workers.model_builder import TRANSFORMER_IMPLS
+
+    if m.transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"{key}.transformer_impl={m.transformer_impl!r}; choose one of {', '.join(TRANSFORMER_IMPLS)}")
+    model = ModelShape.from_hf_config(hf_config)
+    o = m.override_transformer_config
     try:
-        return ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel).validate(
-            world, ModelShape.from_hf_config(hf_config))
+        dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel,
+                            vpp=m.virtual_pipeline_model_parallel_size or 1).validate(world, model)
+        check_recompute(f"{key}.override_transformer_config", o.recompute_granularity, o.recompute_method,
+                        o.recompute_num_layers, dims, model)
     except LayoutError as e:
         raise ValueError(f"{key}: {e}") from None
+    return dims
+
+
+def _check_interleaved_micro_batches(key: str, dims, rows: int, micro_batch_size: int) -> None:
+    """With VPP, each update's micro-batch count must suit megatron's interleaved schedule (see dims)."""
+    per_rank = rows // dims.dp
+    count = per_rank // min(micro_batch_size, per_rank) if per_rank else 0
+    error = dims.interleaved_micro_batch_error(count)
+    if error:
+        raise ValueError(f"{key}.megatron: {error} ({key}.ppo_mini_batch_size x rollout.n = {rows} rows / "
+                         f"dp={dims.dp} / ppo_micro_batch_size_per_gpu={micro_batch_size})")
+
+
+def resolved_transformer_impls(cfg: HybridFlowConfig) -> dict[str, str]:
+    """{role's transformer_impl key: "local" | "transformer_engine" (why)}, as this process sees the machine.
+
+    On a local run the workers share the driver's machine, so this is their choice too; on a remote cluster
+    each worker logs its own at start-up (megatron_workers.engine.build_role_engine).
+    """
+    from megatron_workers.model_builder import resolve_transformer_impl
+
+    roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.megatron,
+             "actor_rollout_ref.ref": cfg.actor_rollout_ref.ref.megatron, "critic": cfg.critic.megatron,
+             "reward_model": cfg.reward_model.megatron}
+    out = {}
+    for role, m in roles.items():
+        key = f"{role}.megatron.transformer_impl"
+        impl, why = resolve_transformer_impl(m.transformer_impl, key)
+        out[key] = f"{impl} ({why})"
+    return out
 
 
 def needs_ref(cfg: HybridFlowConfig) -> bool:
@@ -71,6 +110,8 @@ def validate(cfg: HybridFlowConfig) -> None:
         raise ValueError(f"trainer.placement={cfg.trainer.placement!r}; choose one of {', '.join(PLACEMENTS)}")
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     dims = _role_dims("actor_rollout_ref.actor.megatron", a.actor.megatron, world, actor_hf)
+    _check_interleaved_micro_batches("actor_rollout_ref.actor", dims, a.actor.ppo_mini_batch_size * a.rollout.n,
+                                     a.actor.ppo_micro_batch_size_per_gpu)
     GenerationDims(a.rollout.tensor_model_parallel_size).validate(dims, ModelShape.from_hf_config(actor_hf))
     _validate_ref(cfg, world, actor_hf)
     rows = cfg.data.train_batch_size
@@ -87,7 +128,9 @@ def validate(cfg: HybridFlowConfig) -> None:
         cfg.critic.model.path = a.model.path
     if cfg.critic.enable:
         critic_hf = _hf_config("critic.model.path", cfg.critic.model.path)
-        _role_dims("critic.megatron", cfg.critic.megatron, world, critic_hf)
+        critic_dims = _role_dims("critic.megatron", cfg.critic.megatron, world, critic_hf)
+        _check_interleaved_micro_batches("critic", critic_dims, cfg.critic.ppo_mini_batch_size * a.rollout.n,
+                                         cfg.critic.ppo_micro_batch_size_per_gpu)
     _validate_verl_shared_keys(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and a.rollout.n < 2:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
@@ -152,8 +195,10 @@ def _validate_verl_shared_keys(cfg: HybridFlowConfig) -> None:
     for role, m in roles.items():
         if m.context_parallel_size != 1:
             raise ValueError(f"{role}.megatron.context_parallel_size={m.context_parallel_size}: context parallelism "
-                             "is not supported yet; meanwhile set it to 1 and cut activation memory with "
-                             f"{role}.megatron.sequence_parallel=true and tensor_model_parallel_size, or smaller "
+                             "needs Transformer Engine's attention on GPU (its ring attention over the sequence "
+                             "shards), which this stack does not wire up; set it to 1 and cut activation memory "
+                             f"with {role}.megatron.sequence_parallel=true, "
+                             f"{role}.megatron.override_transformer_config.recompute_granularity=full, or smaller "
                              "micro-batches")
 
 
@@ -199,10 +244,11 @@ def _validate_ref(cfg: HybridFlowConfig, world: int, actor_hf: dict) -> None:
         if needs_ref(cfg):
             _role_dims("actor_rollout_ref.ref.megatron", a.ref.megatron, world, actor_hf)
         return
-    layout = lambda m: (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size)
+    layout = lambda m: (m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                        m.virtual_pipeline_model_parallel_size or 1, m.context_parallel_size)
     if layout(a.ref.megatron) != layout(a.actor.megatron):
         raise ValueError(f"trainer.placement=colocate runs the ref in the actor's processes, so "
-                         f"actor_rollout_ref.ref.megatron (tp, pp, cp)={layout(a.ref.megatron)} must equal "
+                         f"actor_rollout_ref.ref.megatron (tp, pp, vpp, cp)={layout(a.ref.megatron)} must equal "
                          f"actor_rollout_ref.actor.megatron's {layout(a.actor.megatron)} "
                          "(or use trainer.placement=split)")
 
@@ -311,7 +357,13 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     r = cfg.trainer.ray
     # Ray's CPUs are logical: workers pin their own threads, so a local cluster may hold more ranks than cores.
     num_cpus = r.num_cpus or (None if r.address else max(16, os.cpu_count() or 1))
-    save_resolved(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
+    resolved = save_resolved(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
+    impls = resolved_transformer_impls(cfg)
+    for key, choice in impls.items():
+        log.info("%s -> %s", key, choice)
+    with open(resolved, "a") as fh:  # comments: the file still loads as a config, `auto` stays auto
+        fh.write("# resolved on the driver's machine (workers log their own):\n")
+        fh.writelines(f"#   {key}: {choice}\n" for key, choice in impls.items())
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
     groups = build_groups(cfg)
     trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
