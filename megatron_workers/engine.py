@@ -174,12 +174,9 @@ class MegatronEngine:
             output = model(ids, positions.expand_as(ids), None)
             return output, partial(make_loss, micro)
 
-        if self.vpp_size > 1:
-            from hybridflow.parallel.dims import ParallelDims
-
-            error = ParallelDims(pp=self.pp_size, vpp=self.vpp_size).interleaved_micro_batch_error(len(micro_batches))
-            if error:
-                raise ValueError(error)
+        if self._interleave_padding(len(micro_batches)):
+            raise ValueError(f"the interleaved schedule (vpp={self.vpp_size}) needs a multiple of pp={self.pp_size} "
+                             f"micro-batches, got {len(micro_batches)} (the callers pad)")
         # The interleaved schedule takes one iterator per chunk; each chunk walks the micro-batches in order.
         data = iter(micro_batches) if self.vpp_size == 1 else [iter(micro_batches) for _ in self.model]
         get_forward_backward_func()(
@@ -191,6 +188,12 @@ class MegatronEngine:
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
+
+    def _interleave_padding(self, num_micro: int) -> int:
+        """Micro-batches to add so megatron 0.16's interleaved schedule accepts the count: it runs them in
+        groups of pp per chunk (microbatch_group_size_per_vp_stage = pp) and refuses any count that is not
+        a multiple of pp. 0 without VPP."""
+        return (-num_micro) % self.pp_size if self.vpp_size > 1 else 0
 
     def _broadcast_from_last_stage(self, obj):
         """Objects (dicts of tensors / floats) computed on the last PP stage, on every PP rank."""
@@ -213,9 +216,7 @@ class MegatronEngine:
         # Pipeline p2p needs equal shapes: pad the last micro-batch by repeating its last row. The interleaved
         # schedule also needs a multiple of pp micro-batches: pad with whole micro-batches of repeated rows.
         pad_rows = (-n) % micro_batch_size if self.pp_size > 1 else 0
-        if self.vpp_size > 1:
-            micros = (n + pad_rows) // micro_batch_size
-            pad_rows += ((-micros) % self.pp_size) * micro_batch_size
+        pad_rows += self._interleave_padding((n + pad_rows) // micro_batch_size) * micro_batch_size
         if pad_rows:
             batch = {k: torch.cat([v, v[-1:].expand(pad_rows, *v.shape[1:])]) for k, v in batch.items()}
         outputs: list[dict] = []
@@ -259,8 +260,15 @@ class MegatronEngine:
         total = total.clamp(min=1.0)
         loss_scale = float(total) if sum_loss else 1.0
         sums: dict[str, torch.Tensor] = {}
+        # The interleaved schedule takes a multiple of pp micro-batches: repeat the last one as padding
+        # whose loss is 0 * output, so it adds compute but nothing to the gradient or the metrics.
+        pad = self._interleave_padding(num_micro)
+        micro_batches += [{**micro_batches[-1], "_padding": True} for _ in range(pad)]
+        num_micro += pad
 
         def make_loss(micro, output):
+            if micro.get("_padding"):
+                return output.sum() * 0.0, {}
             loss, metrics = loss_fn(output, micro)
             weight = (count_fn(micro) / total).to(loss.dtype)
             for k, v in {"loss": loss, **metrics}.items():

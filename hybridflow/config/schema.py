@@ -36,7 +36,8 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     # Interleaved pipeline (megatron's virtual pipeline): each PP rank holds this many model chunks of
     # num_layers / (pp * vpp) layers each, and the 1F1B schedule interleaves them (smaller bubble). null or 1: off.
-    # Needs pp >= 2, and the micro-batches of every call a multiple of pp (megatron 0.16's interleaved schedule).
+    # Needs pp >= 2 and the layers per stage divisible by it. Megatron 0.16's interleaved schedule takes a multiple
+    # of pp micro-batches per call; the engine pads with zero-loss micro-batches (compute, no gradient) if needed.
     virtual_pipeline_model_parallel_size: int | None = None
     # Context parallel needs Transformer Engine's attention on GPU; refused at config time (any value but 1).
     context_parallel_size: int = 1
@@ -72,6 +73,10 @@ class ModelConfig:
     path: str = ""  # an HF directory: config.json, *.safetensors, tokenizer files
     tokenizer_path: str | None = None
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # verl's switch for activation recompute. true: the role's megatron.override_transformer_config gets
+    # full / uniform / 1 layer (every layer recomputed), unless it sets recompute_granularity itself, which wins.
+    # Applied by hybridflow.trainer.main.validate (so the run's config.yaml shows the recompute used).
+    enable_gradient_checkpointing: bool = False
 
 
 @dataclass

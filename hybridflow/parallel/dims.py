@@ -108,18 +108,6 @@ class ParallelDims:
         n = self.layers_per_chunk(num_layers)
         return [(v * self.pp + pp_rank) * n for v in range(self.vpp)]
 
-    def interleaved_micro_batch_error(self, num_micro_batches: int) -> str | None:
-        """Why megatron 0.16's interleaved schedule refuses this many micro-batches, or None.
-
-        It runs micro-batches in groups of pp per chunk (microbatch_group_size_per_vp_stage = pp), and
-        refuses a count that is not a multiple of pp (schedules.forward_backward_pipelining_with_interleaving).
-        """
-        if self.vpp > 1 and (num_micro_batches < self.pp or num_micro_batches % self.pp):
-            return (f"virtual_pipeline_model_parallel_size={self.vpp} runs megatron's interleaved schedule, "
-                    f"which needs the micro-batches per update to be a multiple of "
-                    f"pipeline_model_parallel_size={self.pp}; got {num_micro_batches}")
-        return None
-
     def coords(self, rank: int) -> dict[str, int]:
         """(tp, cp, dp, pp) coordinates of a global rank, tp fastest (Megatron's default order)."""
         if not 0 <= rank < self.world_size:

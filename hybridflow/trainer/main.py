@@ -54,16 +54,6 @@ def _role_dims(key: str, m, world: int, hf_config: dict):
     return dims
 
 
-def _check_interleaved_micro_batches(key: str, dims, rows: int, micro_batch_size: int) -> None:
-    """With VPP, each update's micro-batch count must suit megatron's interleaved schedule (see dims)."""
-    per_rank = rows // dims.dp
-    count = per_rank // min(micro_batch_size, per_rank) if per_rank else 0
-    error = dims.interleaved_micro_batch_error(count)
-    if error:
-        raise ValueError(f"{key}.megatron: {error} ({key}.ppo_mini_batch_size x rollout.n = {rows} rows / "
-                         f"dp={dims.dp} / ppo_micro_batch_size_per_gpu={micro_batch_size})")
-
-
 def resolved_transformer_impls(cfg: HybridFlowConfig) -> dict[str, str]:
     """{role's transformer_impl key: "local" | "transformer_engine" (why)}, as this process sees the machine.
 
@@ -81,6 +71,24 @@ def resolved_transformer_impls(cfg: HybridFlowConfig) -> dict[str, str]:
         impl, why = resolve_transformer_impl(m.transformer_impl, key)
         out[key] = f"{impl} ({why})"
     return out
+
+
+GRADIENT_CHECKPOINTING_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform",
+                                    "recompute_num_layers": 1}
+
+
+def apply_gradient_checkpointing(cfg: HybridFlowConfig) -> None:
+    """model.enable_gradient_checkpointing=true -> full recompute of every layer in that model's roles,
+    where the role's override_transformer_config does not choose a recompute itself."""
+    a = cfg.actor_rollout_ref
+    for model, roles in ((a.model, (a.actor.megatron, a.ref.megatron)), (cfg.critic.model, (cfg.critic.megatron,))):
+        if not model.enable_gradient_checkpointing:
+            continue
+        for m in roles:
+            o = m.override_transformer_config
+            if o.recompute_granularity is None and o.recompute_method is None and o.recompute_num_layers is None:
+                for k, v in GRADIENT_CHECKPOINTING_RECOMPUTE.items():
+                    setattr(o, k, v)
 
 
 def needs_ref(cfg: HybridFlowConfig) -> bool:
@@ -109,9 +117,8 @@ def validate(cfg: HybridFlowConfig) -> None:
     if cfg.trainer.placement not in PLACEMENTS:
         raise ValueError(f"trainer.placement={cfg.trainer.placement!r}; choose one of {', '.join(PLACEMENTS)}")
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    apply_gradient_checkpointing(cfg)
     dims = _role_dims("actor_rollout_ref.actor.megatron", a.actor.megatron, world, actor_hf)
-    _check_interleaved_micro_batches("actor_rollout_ref.actor", dims, a.actor.ppo_mini_batch_size * a.rollout.n,
-                                     a.actor.ppo_micro_batch_size_per_gpu)
     GenerationDims(a.rollout.tensor_model_parallel_size).validate(dims, ModelShape.from_hf_config(actor_hf))
     _validate_ref(cfg, world, actor_hf)
     rows = cfg.data.train_batch_size
@@ -128,15 +135,15 @@ def validate(cfg: HybridFlowConfig) -> None:
         cfg.critic.model.path = a.model.path
     if cfg.critic.enable:
         critic_hf = _hf_config("critic.model.path", cfg.critic.model.path)
-        critic_dims = _role_dims("critic.megatron", cfg.critic.megatron, world, critic_hf)
-        _check_interleaved_micro_batches("critic", critic_dims, cfg.critic.ppo_mini_batch_size * a.rollout.n,
-                                         cfg.critic.ppo_micro_batch_size_per_gpu)
+        _role_dims("critic.megatron", cfg.critic.megatron, world, critic_hf)
     _validate_verl_shared_keys(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and a.rollout.n < 2:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
                          f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
     _validate_reward_model(cfg, world, actor_hf)
     _validate_validation(cfg)
+    if cfg.trainer.ray.address is None:  # a local run: the workers see this machine, so check the TE choice here
+        resolved_transformer_impls(cfg)
 
 
 def _validate_loss_names(cfg: HybridFlowConfig) -> None:

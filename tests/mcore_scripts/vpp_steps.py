@@ -1,6 +1,7 @@
 """Virtual pipeline end to end through ActorRolloutRefWorker under torchrun; rank 0 saves what the test compares.
 
---vpp 2 (with --pp 2): log-probs; one update; a checkpoint; a second update; the 3D-HybridEngine's
+--vpp 2 (with --pp 2): log-probs; one update (4 micro-batches); a checkpoint; a second update (1 micro-batch,
+                       padded to pp for the interleaved schedule); the 3D-HybridEngine's
                        generation shards (t_g = 1 and 2) with their byte counts.
 --vpp 1 (PP1 here)   : the same first update from the same weights; then it resumes from the VPP run's
                        checkpoint (a different layout) and makes the same second update.
@@ -17,6 +18,9 @@ import torch
 import torch.distributed as dist
 from train_ckpt import export, update
 from train_common import actor_config, make_rl_batch
+
+# step 2 runs the whole mini-batch (8 rows) as one micro-batch: under VPP the engine pads it to pp=2
+STEP2_MICRO = 8
 
 
 def reshard_case(worker, t_g: int) -> dict:
@@ -62,6 +66,7 @@ def main() -> None:
         result["step1"] = update(worker, vocab, 1)
         result["step1_params"] = export(worker, args.out + ".step1")
         worker.save_checkpoint(args.ckpt, extra={"step": 1})
+        worker.config.actor.ppo_micro_batch_size_per_gpu = STEP2_MICRO
         result["step2"] = update(worker, vocab, 2)
         result["step2_params"] = export(worker, args.out + ".step2")
         result["reshard"] = [reshard_case(worker, t_g) for t_g in (1, 2)]
@@ -69,6 +74,7 @@ def main() -> None:
         result["step1"] = update(worker, vocab, 1)
         result["step1_params"] = export(worker, args.out + ".step1")
         result["extra"] = worker.load_checkpoint(args.ckpt)
+        worker.config.actor.ppo_micro_batch_size_per_gpu = STEP2_MICRO
         result["step2"] = update(worker, vocab, 2)
         result["step2_params"] = export(worker, args.out + ".step2")
     gathered = [None] * dist.get_world_size()
