@@ -1,6 +1,7 @@
 """A multi-node Ray cluster simulated on loopback: each "node" is a `ray start` with its own custom resource.
 
-    python launch/sim_cluster.py start --nodes 2 --port 6390   # prints the address; Ctrl-C stops it
+    python -m launch.sim_cluster start --nodes 2 --port 6390   # prints the address; Ctrl-C stops it
+    python -m launch.sim_cluster start --dashboard-port 8270   # also a dashboard: ray job submit --address http://127.0.0.2:8270
 
 Every node binds 127.0.0.2 and advertises the custom resource node<i>, so a
 ResourcePool(node_resources=["node0", "node1"]) pins one bundle set per node.
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from hybridflow.controller.worker import free_port
 
 IP = "127.0.0.2"
 
@@ -43,8 +46,11 @@ class SimCluster:
     (`ray stop` would kill every Ray instance on the machine, other test clusters included)."""
 
     def __init__(self, nodes: int, port: int, cpus_per_node: int = 4, object_store_bytes: int = 512 * 1024**2,
-                 temp_dir: str | None = None):
+                 temp_dir: str | None = None, include_dashboard: bool = False, dashboard_port: int | None = None):
         self.nodes, self.port, self.cpus, self.store = nodes, port, cpus_per_node, object_store_bytes
+        # The dashboard (about 1 GB more) is what `ray job submit` talks to; off unless asked.
+        self.include_dashboard = include_dashboard or dashboard_port is not None
+        self.dashboard_port = dashboard_port
         # Ray's unix socket paths must stay under ~107 bytes: keep the temp dir short.
         self.temp_dir = temp_dir or f"/tmp/hf_sim_{port}"
         os.makedirs(self.temp_dir, exist_ok=True)
@@ -59,6 +65,20 @@ class SimCluster:
     def address(self) -> str:
         return f"{IP}:{self.port}"
 
+    @property
+    def dashboard_url(self) -> str:
+        """http://127.0.0.2:<port>: the address for `ray job submit` / JobSubmissionClient."""
+        if not self.include_dashboard:
+            raise RuntimeError("this SimCluster runs without a dashboard (include_dashboard=False)")
+        return f"http://{IP}:{self.dashboard_port}"
+
+    def _node_ports(self) -> list[str]:
+        # Every node here shares one IP (and the machine may run other clusters): the dashboard agent's
+        # fixed default HTTP port (52365) would collide, and the head's agent is the one that runs submitted jobs.
+        if not self.include_dashboard:
+            return []
+        return [f"--dashboard-agent-listen-port={free_port()}"]
+
     def _spawn(self, args: list[str]) -> None:
         log = open(f"{self.temp_dir}/node{len(self.procs)}.log", "w")  # noqa: SIM115 - lives as long as the node
         self.procs.append(subprocess.Popen([_ray(), "start", "--block", *args], env=self.env, start_new_session=True,
@@ -67,12 +87,24 @@ class SimCluster:
     def start(self, timeout_s: float = 180) -> str:
         common = ["--node-ip-address", IP, f"--num-cpus={self.cpus}", f"--object-store-memory={self.store}",
                   "--disable-usage-stats"]
-        self._spawn(["--head", f"--port={self.port}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}",
-                     f"--resources={json.dumps({'node0': 1})}", *common])
+        if self.include_dashboard:
+            self.dashboard_port = self.dashboard_port or free_port()
+            dashboard = ["--include-dashboard=true", f"--dashboard-host={IP}",
+                         f"--dashboard-port={self.dashboard_port}"]
+        else:
+            dashboard = ["--include-dashboard=false"]
+        self._spawn(["--head", f"--port={self.port}", *dashboard, f"--temp-dir={self.temp_dir}",
+                     f"--resources={json.dumps({'node0': 1})}", *self._node_ports(), *common])
         _wait_port(self.port, timeout_s, self.procs[0], f"{self.temp_dir}/node0.log")
         self._wait_healthy(timeout_s)
         for i in range(1, self.nodes):
-            self._spawn([f"--address={self.address}", f"--resources={json.dumps({f'node{i}': 1})}", *common])
+            # Each node its own temp dir, as on real machines: nodes sharing one would unpack a job's working
+            # dir into the same runtime_resources folder, and one node's unpacking hid files from the other's
+            # driver mid-import (measured: an ImportError from a half-extracted package).
+            self._spawn([f"--address={self.address}", f"--resources={json.dumps({f'node{i}': 1})}",
+                         f"--temp-dir={self.temp_dir}/n{i}", *self._node_ports(), *common])
+        if self.include_dashboard:
+            _wait_port(self.dashboard_port, timeout_s, self.procs[0], f"{self.temp_dir}/node0.log")
         return self.address
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -86,15 +118,19 @@ class SimCluster:
             time.sleep(1)
         raise TimeoutError(f"Ray head {self.address} not healthy within {timeout_s:.0f} s")
 
-    def stop(self, timeout_s: float = 60) -> None:
+    def stop(self, timeout_s: float = 5) -> None:
+        """SIGTERM every node, then SIGKILL what is left after timeout_s in all (one deadline, not one per node:
+        `ray start --block`, the gcs and the raylet sat out SIGTERM for 10 s and more here, and the cluster is
+        thrown away anyway)."""
         for p in self.procs:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        deadline = time.monotonic() + timeout_s
         for p in self.procs:
             try:
-                p.wait(timeout=timeout_s)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
             try:  # raylet/gcs may outlive `ray start --block`: take the whole process group down
@@ -102,12 +138,14 @@ class SimCluster:
             except ProcessLookupError:
                 pass
         self.procs.clear()
-        # Some Ray daemons start their own sessions; whatever still names this cluster's temp dir goes too.
+        # Some Ray daemons start their own sessions; whatever still names this cluster's temp dir goes too, and
+        # so do the processes that run inside it (a submitted job's driver runs in its unpacked working dir).
         import psutil
 
-        for proc in psutil.process_iter(["cmdline"]):
+        for proc in psutil.process_iter(["cmdline", "cwd"]):
             try:
-                if any(self.temp_dir in arg for arg in proc.info["cmdline"] or []):
+                if (any(self.temp_dir in arg for arg in proc.info["cmdline"] or [])
+                        or (proc.info["cwd"] or "").startswith(self.temp_dir + "/")):
                     proc.kill()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
@@ -139,9 +177,19 @@ def main():
     ap.add_argument("--cpus-per-node", type=int, default=4)
     ap.add_argument("--object-store-bytes", type=int, default=512 * 1024**2)
     ap.add_argument("--temp-dir", default=None)
+    ap.add_argument("--dashboard-port", type=int, default=None, help="start the dashboard on 127.0.0.2:PORT "
+                    "(what `ray job submit` / launch.submit talk to)")
     a = ap.parse_args()
-    cluster = SimCluster(a.nodes, a.port, a.cpus_per_node, a.object_store_bytes, a.temp_dir)
+    cluster = SimCluster(a.nodes, a.port, a.cpus_per_node, a.object_store_bytes, a.temp_dir,
+                         dashboard_port=a.dashboard_port)
+
+    def _interrupt(signum, frame):  # `kill PID` takes the cluster down like Ctrl-C (background jobs ignore SIGINT)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
     print(cluster.start(), flush=True)
+    if cluster.include_dashboard:
+        print(cluster.dashboard_url, flush=True)
     try:  # runs until Ctrl-C, then takes the whole simulated cluster down
         while all(p.poll() is None for p in cluster.procs):
             time.sleep(1)

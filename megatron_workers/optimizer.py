@@ -42,8 +42,8 @@ class LRSchedule:
     def __post_init__(self):
         if self.style not in LR_STYLES:
             raise ValueError(f"optim.lr_scheduler={self.style!r} is not one of {LR_STYLES}")
-        if self.base_lr < 0:
-            raise ValueError(f"optim.lr={self.base_lr} must be >= 0")
+        if not math.isfinite(self.base_lr) or self.base_lr < 0:  # a NaN compares False with everything
+            raise ValueError(f"optim.lr={self.base_lr} must be a finite number >= 0")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.lr_warmup_steps={self.warmup_steps} must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

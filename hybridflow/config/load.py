@@ -17,6 +17,7 @@ import difflib
 import logging
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
@@ -90,12 +91,21 @@ def _filter_keys(node: dict, cls, prefix: str, source: str, ignored: dict, probl
         default = _default(f)
         if dataclasses.is_dataclass(default) and isinstance(value, dict):
             _filter_keys(value, type(default), path + ".", source, ignored, problems)
+        elif dataclasses.is_dataclass(default) and value is not None:
+            sub = [g.name for g in dataclasses.fields(default)][:3]
+            problems.append(f"'{path}' is a section of keys ({', '.join(f'{path}.{n}' for n in sub)}, ...), "
+                            f"not a value: got {value!r:.80} in {source}")
+        elif _is_list_field(f) and isinstance(value, dict):
+            problems.append(f"'{path}' is a list, got a mapping {value!r:.80} in {source}; write {path}=[a,b]")
         elif _is_list_field(f) and isinstance(value, str) and not value.startswith("${"):
             node[key] = [value]  # verl (and its data loader / tracker) takes one string for a list
 
 
 def _checked_layer(cfg, source: str, ignored: dict):
     container = OmegaConf.to_container(cfg, resolve=False)
+    if not isinstance(container, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys (data:, trainer:, ...), "
+                          f"got a {type(container).__name__}")
     problems: list[str] = []
     _filter_keys(container, HybridFlowConfig, "", source, ignored, problems)
     if len(problems) == 1:
@@ -124,7 +134,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        layers.append(_checked_layer(OmegaConf.load(p), str(p), ignored))
+        try:
+            text = OmegaConf.load(p)
+        except yaml.YAMLError as e:  # the parser's message carries the line and column
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        layers.append(_checked_layer(text, str(p), ignored))
     if overrides:
         items = [_normalise_override(item) for item in overrides]
         layers.append(_checked_layer(OmegaConf.from_dotlist(items), "command line", ignored))
@@ -135,6 +149,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         OmegaConf.resolve(merged)
         cfg = OmegaConf.to_object(merged)
     except (ValidationError, ConfigKeyError) as e:
+        # OmegaConf's message puts the key on a later line among its internals: name the key first.
+        key = getattr(e, "full_key", None)
+        if key:
+            raise ConfigError(f"invalid value for config key '{key}': {str(e).splitlines()[0]}") from None
         raise ConfigError(f"invalid config value: {e}") from None
     return cfg
 

@@ -2,6 +2,10 @@
 
 Single machine: bind to loopback, no dashboard unless asked (then on
 127.0.0.1), temp dir under the run directory, usage stats off.
+
+Joining a cluster (address "auto" or host:port, e.g. as a `ray job submit` job): nothing local applies.
+The cluster's own CPUs, object store, dashboard, node address and temp dir are used, and the driver
+leaves alone the env vars the job's runtime_env already sets (Ray refuses to merge two values of one key).
 """
 
 from __future__ import annotations
@@ -30,10 +34,24 @@ def ray_temp_dir(run_dir, override: str | None = None) -> Path:
     return tmp
 
 
+def _job_env_vars() -> dict | None:
+    """The env vars of the runtime_env this driver was submitted with (`ray job submit`), None outside a job.
+
+    The job manager hands the job's config to its entrypoint in this variable (ray/_private/worker.py reads it).
+    """
+    import json
+
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if raw is None:
+        return None
+    return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None, include_dashboard: bool = False,
              object_store_memory: int | None = 2 * 1024**3, run_dir: str | os.PathLike = "runs",
              env_vars: dict | None = None):
-    """Start a local cluster (address=None) or join one ("auto" or host:port)."""
+    """Start a local cluster (address=None) or join one ("auto" or host:port; num_cpus, include_dashboard,
+    object_store_memory and run_dir are then the cluster's business and ignored)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -41,8 +59,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
         return ray.get_runtime_context()
     runtime_env = {"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **(env_vars or {})}}
     if address:
-        log.info("joining Ray cluster at %s", address)
-        return ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        job_env = _job_env_vars()
+        extra = {k: v for k, v in runtime_env["env_vars"].items() if k not in (job_env or {})}
+        log.info("joining Ray cluster at %s%s", address, " (inside a Ray job)" if job_env is not None else "")
+        return ray.init(address=address, runtime_env={"env_vars": extra} if extra else None, log_to_driver=True)
     tmp = ray_temp_dir(run_dir, os.environ.get("RAY_TMPDIR"))
     tmp.mkdir(parents=True, exist_ok=True)
     # A stale "current cluster" marker makes the next init try to join a dead cluster.

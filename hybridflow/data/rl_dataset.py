@@ -31,7 +31,12 @@ def _read_rows(file: str, prompt_key: str) -> list[dict]:
     path = pathlib.Path(file)
     if not path.is_file():
         raise FileNotFoundError(f"data file {file!r} does not exist")
-    schema = pq.read_schema(path)
+    import pyarrow as pa
+
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as e:  # e.g. "Parquet magic bytes not found": a CSV or JSONL renamed
+        raise ValueError(f"data file {file!r} is not a readable parquet file ({e})") from None
     for column in (prompt_key, *REQUIRED_COLUMNS):
         if column not in schema.names:
             raise KeyError(f"data file {file!r} has no column {column!r} (columns: {schema.names})")
@@ -40,7 +45,10 @@ def _read_rows(file: str, prompt_key: str) -> list[dict]:
         fields = [reward_type.field(i).name for i in range(reward_type.num_fields)]
         raise KeyError(f"column 'reward_model' of data file {file!r} has no field 'ground_truth' (fields: {fields})")
     columns = [prompt_key, *REQUIRED_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in schema.names)]
-    return pq.read_table(path, columns=columns).to_pylist()
+    rows = pq.read_table(path, columns=columns).to_pylist()
+    if not rows:
+        raise ValueError(f"data file {file!r} has no rows")
+    return rows
 
 
 class RLDataset:
@@ -71,7 +79,11 @@ class RLDataset:
             file_rows = _read_rows(file, prompt_key)
             rows.extend(file_rows)
             origin.extend((file, i) for i in range(len(file_rows)))
+        self.origin = origin  # by item["index"]: (file, row) for error messages downstream
         for row, (file, i) in zip(rows, origin):
+            if not isinstance(row["data_source"], str) or not row["data_source"]:
+                raise ValueError(f"data file {file!r} row {i}: data_source is {row['data_source']!r}; it names the "
+                                 "reward scorer (e.g. 'openai/gsm8k') and must be a non-empty string")
             reward = row["reward_model"]
             if not isinstance(reward, dict) or "ground_truth" not in reward or reward["ground_truth"] is None:
                 raise ValueError(f"data file {file!r} row {i}: reward_model has no ground_truth ({reward!r})")
@@ -110,14 +122,34 @@ class RLDataset:
             raise ValueError(f"no prompts left in {files}: all {self.num_total} are longer than "
                              f"max_prompt_length={max_prompt_length} tokens")
 
+    @classmethod
+    def from_config(cls, files: list[str] | str, tokenizer, data) -> RLDataset:
+        """As the run reads a DataConfig's files: the same prompt length, filtering and truncation for train
+        and val files, and for the up-front check (hybridflow.config.checks.data_files)."""
+        return cls(files, tokenizer, prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length,
+                   apply_chat_template=data.apply_chat_template,
+                   filter_overlong_prompts=data.filter_overlong_prompts, truncation=data.truncation)
+
     def _prompt_text(self, prompt, tokenizer, file: str, row: int) -> str:
+        where = f"data file {file!r} row {row}: column {self.prompt_key!r}"
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
         elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
             messages = prompt
         else:
-            raise ValueError(f"data file {file!r} row {row}: column {self.prompt_key!r} must be a string or a list of "
-                             f"chat messages, got {type(prompt).__name__}: {prompt!r:.200}")
+            raise ValueError(f"{where} must be a string or a list of chat messages, got {type(prompt).__name__}: "
+                             f"{prompt!r:.200}")
+        # An empty prompt would still tokenise (to the template's bos and generation prompt alone) and train on
+        # nothing the data meant; a None content would render as the text "None".
+        if not messages:
+            raise ValueError(f"{where} is an empty list of chat messages")
+        bad = [(j, m["content"]) for j, m in enumerate(messages) if not isinstance(m["content"], str)]
+        if bad:
+            j, content = bad[0]
+            raise ValueError(f"{where}: message {j} has content of type {type(content).__name__} ({content!r:.80}), "
+                             "not a string")
+        if not any(m["content"].strip() for m in messages):
+            raise ValueError(f"{where} is empty (no text in any message)")
         if not self.apply_chat_template:
             return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -64,3 +64,30 @@ class CheckpointManager:
     @staticmethod
     def trainer_state(path: Path) -> dict:
         return json.loads((path / "trainer_state.json").read_text())
+
+
+def check_resume_path(path: str | Path, roles: tuple[str, ...] = ("actor",), key: str = "trainer.resume_mode") -> None:
+    """Refuse, before any worker starts, a resume path that is not one complete checkpoint directory (what
+    RayPPOTrainer.maybe_resume loads): missing, a checkpoint root, incomplete (no COMPLETE marker), or lacking
+    trainer_state.json or a role's directory. Errors name `key` and the path."""
+    path = Path(path)
+    where = f"{key}={str(path)!r}"
+    if not path.is_dir():
+        raise FileNotFoundError(f"{where}: not 'auto', 'disable' or an existing checkpoint directory")
+    if not (path / MARKER).is_file():
+        done = CheckpointManager(path).complete()
+        if done:
+            raise ValueError(f"{where} is a checkpoint root, not a checkpoint: pass {done[-1][1]} (its newest "
+                             f"complete one), or trainer.resume_mode=auto with trainer.default_local_dir={path}")
+        raise ValueError(f"{where} has no {MARKER} marker: not a checkpoint, or one whose save did not finish")
+    try:
+        state = CheckpointManager.trainer_state(path)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: trainer_state.json is missing or unreadable ({e})") from None
+    missing = [k for k in ("global_step", "sampler") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"{where}: trainer_state.json lacks {missing}")
+    absent = [role for role in roles if not (path / role).is_dir()]
+    if absent:
+        raise ValueError(f"{where}: no {', '.join(absent)} directory in the checkpoint (a run without a critic "
+                         "cannot seed one that has a critic)")

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from hybridflow.config import checks
 from hybridflow.config.load import load_config, save_resolved, to_dict
 from hybridflow.config.schema import HybridFlowConfig
 
@@ -20,14 +21,12 @@ log = logging.getLogger("hybridflow")
 PLACEMENTS = ("colocate", "split")
 
 
-def _hf_config(key: str, path: str) -> dict:
-    """The config.json of the HF directory named by config key `key`, or an error naming the key."""
-    import json
-
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{key}={path!r} has no config.json")
-    with open(os.path.join(path, "config.json")) as fh:
-        return json.load(fh)
+def _hf_config(key: str, path: str, causal_lm: bool = False) -> dict:
+    """The config.json of the HF directory named by config key `key`, checked with its safetensors files
+    (complete, readable headers; for a causal LM also every tensor the loader needs), or an error naming the key."""
+    config = checks.model_config(key, path)  # raises on a missing, invalid or incomplete config.json
+    checks.model_weights(key, path, config if causal_lm else None)
+    return config
 
 
 def _role_dims(key: str, m, world: int, hf_config: dict):
@@ -35,7 +34,10 @@ def _role_dims(key: str, m, world: int, hf_config: dict):
     from hybridflow.parallel.dims import LayoutError, ModelShape, ParallelDims
 
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    if tp < 1 or pp < 1 or cp < 1 or world % (tp * pp * cp):
+    for name, size in (("tensor", tp), ("pipeline", pp), ("context", cp)):
+        if size < 1:
+            raise ValueError(f"{key}.{name}_model_parallel_size={size} must be >= 1")
+    if world % (tp * pp * cp):
         raise ValueError(f"trainer.n_gpus_per_node*nnodes={world} is not divisible by {key} tp*pp*cp={tp}*{pp}*{cp}")
     from hybridflow.parallel.dims import check_recompute
     from megatron_workers.model_builder import TRANSFORMER_IMPLS
@@ -99,10 +101,14 @@ def needs_ref(cfg: HybridFlowConfig) -> bool:
 def validate(cfg: HybridFlowConfig) -> None:
     """Cheap checks that name the key, before anything expensive starts."""
     from hybridflow.algorithms import get_adv_estimator, needs_critic
-    from hybridflow.parallel.dims import GenerationDims, ModelShape
+    from hybridflow.parallel.dims import GenerationDims, LayoutError, ModelShape
 
     a = cfg.actor_rollout_ref
-    actor_hf = _hf_config("actor_rollout_ref.model.path", a.model.path)
+    checks.trainer_keys(cfg.trainer)  # the world size below is made of them
+    actor_hf = _hf_config("actor_rollout_ref.model.path", a.model.path, causal_lm=True)
+    checks.tokenizer_dir("actor_rollout_ref.model.tokenizer_path" if a.model.tokenizer_path else
+                         "actor_rollout_ref.model.path", a.model.tokenizer_path or a.model.path)
+    checks.model_dtype("actor_rollout_ref.model.dtype", a.model.dtype)
     if not cfg.data.train_files:
         raise ValueError("data.train_files is empty")
     for f in cfg.data.train_files:
@@ -119,14 +125,25 @@ def validate(cfg: HybridFlowConfig) -> None:
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     apply_gradient_checkpointing(cfg)
     dims = _role_dims("actor_rollout_ref.actor.megatron", a.actor.megatron, world, actor_hf)
-    GenerationDims(a.rollout.tensor_model_parallel_size).validate(dims, ModelShape.from_hf_config(actor_hf))
+    try:
+        GenerationDims(a.rollout.tensor_model_parallel_size).validate(dims, ModelShape.from_hf_config(actor_hf))
+    except LayoutError as e:
+        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size="
+                         f"{a.rollout.tensor_model_parallel_size}: {e}") from None
     _validate_ref(cfg, world, actor_hf)
+    checks.counts(cfg, ("data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_epochs",
+                        *(f"actor_rollout_ref.{k}" for k in ("actor.ppo_mini_batch_size",
+                                                              "actor.ppo_micro_batch_size_per_gpu",
+                                                              "rollout.log_prob_micro_batch_size_per_gpu",
+                                                              "ref.log_prob_micro_batch_size_per_gpu"))))
     rows = cfg.data.train_batch_size
     if rows % dims.dp:
         raise ValueError(f"data.train_batch_size={rows} is not divisible by the actor dp size {dims.dp}")
-    if a.actor.ppo_mini_batch_size > rows or rows % a.actor.ppo_mini_batch_size:
-        raise ValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.actor.ppo_mini_batch_size} must divide "
-                         f"data.train_batch_size={rows}")
+    checks.update_batches("actor_rollout_ref.actor", a.actor.ppo_mini_batch_size, a.actor.ppo_micro_batch_size_per_gpu,
+                          a.rollout.n, dims.dp, rows)
+    checks.sampling(cfg)
+    steps = cfg.trainer.total_training_steps
+    checks.optim("actor_rollout_ref.actor.optim", a.actor.optim, steps)
     if cfg.critic.enable is None:
         cfg.critic.enable = needs_critic(cfg.algorithm.adv_estimator)
     if needs_critic(cfg.algorithm.adv_estimator) and not cfg.critic.enable:
@@ -134,8 +151,16 @@ def validate(cfg: HybridFlowConfig) -> None:
     if cfg.critic.enable and not cfg.critic.model.path:
         cfg.critic.model.path = a.model.path
     if cfg.critic.enable:
-        critic_hf = _hf_config("critic.model.path", cfg.critic.model.path)
-        _role_dims("critic.megatron", cfg.critic.megatron, world, critic_hf)
+        c = cfg.critic
+        critic_hf = _hf_config("critic.model.path", c.model.path)
+        checks.model_dtype("critic.model.dtype", c.model.dtype)
+        critic_dims = _role_dims("critic.megatron", c.megatron, world, critic_hf)
+        checks.counts(cfg, ("critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs"))
+        checks.update_batches("critic", c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu, a.rollout.n,
+                              critic_dims.dp, rows)
+        checks.optim("critic.optim", c.optim, steps)
+    checks.resume(cfg)  # after critic.enable is known: a critic run needs the checkpoint's critic
+    checks.reward_fn(cfg.custom_reward_function)
     _validate_verl_shared_keys(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and a.rollout.n < 2:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
@@ -273,6 +298,7 @@ def _validate_reward_model(cfg: HybridFlowConfig, world: int, actor_hf: dict) ->
     except FileNotFoundError as e:
         hint = "python -m hybridflow.models.tiny --reward-model --out DIR writes a tiny one"
         raise FileNotFoundError(f"{e} (reward_model.enable=true needs an HF reward model directory; {hint})") from None
+    checks.model_dtype("reward_model.model.dtype", rm.model.dtype)
     _role_dims("reward_model.megatron", rm.megatron, world, rm_hf)
     # The reward model reads the policy's token ids as they are: it must know every id the policy can emit.
     if rm_hf.get("vocab_size", 0) < actor_hf.get("vocab_size", 0):
@@ -299,13 +325,16 @@ def make_pools(cfg: HybridFlowConfig, roles: list[str]) -> dict:
     return {role: ResourcePool(role, procs, max_colocate=1, timeout_s=timeout) for role in roles}
 
 
-def build_groups(cfg: HybridFlowConfig) -> dict:
+def build_groups(cfg: HybridFlowConfig, teardown=None) -> dict:
     """Every worker group the job needs, initialised: {"actor_rollout", "ref", "critic", "reward_model"}.
 
     colocate: the actor group also hosts the ref (role actor_rollout_ref) and "ref" is None.
     split: the ref is an ActorRolloutRefWorker of role "ref" in its own pool (only when a KL term needs it).
+    `teardown` (a controller.Teardown) is told of every pool and group as it is made, so a stop half-way
+    through still takes down what exists.
     """
     from hybridflow.controller import RayWorkerGroup
+    from hybridflow.controller.teardown import Teardown
     from megatron_workers.actor_rollout_ref import ActorRolloutRefWorker
 
     a = cfg.actor_rollout_ref
@@ -326,8 +355,15 @@ def build_groups(cfg: HybridFlowConfig) -> dict:
     log.info("trainer.placement=%s: %s", cfg.trainer.placement,
              ", ".join(f"{name} in pool '{pools[name].name}'" for name in specs))
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    groups = {name: RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s)
-              for name, (cls, args, role) in specs.items()}
+    teardown = teardown if teardown is not None else Teardown()
+    for pool in pools.values():
+        teardown.add_pool(pool)
+    groups = {}
+    for name, (cls, args, role) in specs.items():
+        groups[name] = RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s)
+        teardown.add_group(groups[name])
+        log.info("%s: %d ranks on nodes %s", name, groups[name].world_size,
+                 " ".join(f"{i}={n[:8]}" for i, n in enumerate(pools[name].node_ids())))
     # One group at a time, the actor's first, each on a port picked just before its init (vLLM in the
     # actor processes opens ports while it starts).
     for group in groups.values():
@@ -336,11 +372,19 @@ def build_groups(cfg: HybridFlowConfig) -> dict:
     return {name: groups.get(name) for name in ("actor_rollout", "ref", "critic", "reward_model")}
 
 
+def validate_cluster(cfg: HybridFlowConfig) -> None:
+    """Without trainer.ray.address the trainer starts a one-machine cluster, which cannot hold several nodes."""
+    if not cfg.trainer.ray.address and cfg.trainer.nnodes > 1:
+        raise ValueError(f"trainer.nnodes={cfg.trainer.nnodes} needs a multi-node Ray cluster: set "
+                         "trainer.ray.address (auto, or host:port) or trainer.nnodes=1")
+
+
 def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     """Build every worker group and run the loop; `validated`: main() already ran validate(cfg)."""
     from transformers import AutoTokenizer
 
     from hybridflow.controller import init_ray
+    from hybridflow.controller.teardown import Teardown, exit_on_sigterm
     from hybridflow.data.rl_dataset import RLDataset
     from hybridflow.data.sampler import ResumableSampler
     from hybridflow.rewards.manager import RewardManager
@@ -348,14 +392,11 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
 
     if not validated:
         validate(cfg)
+        validate_cluster(cfg)
     a = cfg.actor_rollout_ref
     tokenizer = AutoTokenizer.from_pretrained(a.model.tokenizer_path or a.model.path)
     # The same class, prompt length and filtering for both: a val prompt is what a training prompt would be.
-    make_dataset = lambda files: RLDataset(files, tokenizer, prompt_key=cfg.data.prompt_key,
-                                           max_prompt_length=cfg.data.max_prompt_length,
-                                           apply_chat_template=cfg.data.apply_chat_template,
-                                           filter_overlong_prompts=cfg.data.filter_overlong_prompts,
-                                           truncation=cfg.data.truncation)
+    make_dataset = lambda files: RLDataset.from_config(files, tokenizer, cfg.data)
     dataset = make_dataset(cfg.data.train_files)
     val_dataset = make_dataset(cfg.data.val_files) if wants_validation(cfg) else None
     sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed, shuffle=cfg.data.shuffle)
@@ -364,6 +405,12 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     r = cfg.trainer.ray
     # Ray's CPUs are logical: workers pin their own threads, so a local cluster may hold more ranks than cores.
     num_cpus = r.num_cpus or (None if r.address else max(16, os.cpu_count() or 1))
+    run_dir = os.path.abspath(cfg.trainer.default_local_dir)
+    if r.address and not os.path.isabs(cfg.trainer.default_local_dir):
+        # Under `ray job submit` the working directory is Ray's unpacked copy, removed with the session.
+        log.warning("trainer.default_local_dir=%s is relative: the run writes to %s (use an absolute path on a "
+                    "cluster)", cfg.trainer.default_local_dir, run_dir)
+    log.info("run dir: %s", run_dir)
     resolved = save_resolved(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
     impls = resolved_transformer_impls(cfg)
     for key, choice in impls.items():
@@ -372,12 +419,18 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
         fh.write("# resolved on the driver's machine (workers log their own):\n")
         fh.writelines(f"#   {key}: {choice}\n" for key, choice in impls.items())
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
-    groups = build_groups(cfg)
-    trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
-                            ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset)
-    trainer.n_params = _count_params(a.model.path)
-    history = trainer.fit()
-    trainer.finish(history)
+    teardown = Teardown()
+    with exit_on_sigterm():  # `ray job stop`: unwind, then take the workers and placement groups down
+        try:
+            groups = build_groups(cfg, teardown)
+            trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"],
+                                    groups["critic"], ref=groups["ref"], reward_model=groups["reward_model"],
+                                    val_dataset=val_dataset)
+            trainer.n_params = _count_params(a.model.path)
+            history = trainer.fit()
+            trainer.finish(history)
+        finally:
+            teardown.close()
     return history
 
 
@@ -416,6 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg)
+        validate_cluster(cfg)
+        checks.data_files(cfg)  # the rows too (prompts, ground truth, lengths), still before Ray starts
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

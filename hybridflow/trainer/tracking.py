@@ -1,6 +1,7 @@
 """Experiment tracking: several backends at once, chosen by `trainer.logger`.
 
-console (a tqdm bar over steps showing reward and throughput), jsonl (one object
+console (a tqdm bar over steps showing reward and throughput on a terminal; one line per step when
+stderr is not one, e.g. in `ray job logs` or a log file, where a bar's carriage returns pile up), jsonl (one object
 per step, with "step"), tensorboard, wandb (offline: works with no network),
 mlflow (local file store). A backend that cannot start fails at construction,
 before any worker is launched.
@@ -12,6 +13,7 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -29,10 +31,13 @@ class Tracking:
         self.backends = list(backends)
         self._bar = self._jsonl = self._tb = self._wandb = self._mlflow = None
         if "console" in backends:
-            from tqdm import tqdm
+            if _is_tty(sys.stderr):
+                from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc=f"{experiment}", unit="step",
-                             dynamic_ncols=True)
+                self._bar = tqdm(total=total_steps, initial=start_step, desc=f"{experiment}", unit="step",
+                                 dynamic_ncols=True)
+            else:
+                self._bar = StepLines(experiment, total_steps, start_step)
         if "jsonl" in backends:
             path = self.run_dir / "metrics.jsonl"
             prepare_jsonl(path, start_step)
@@ -99,6 +104,34 @@ class Tracking:
             import mlflow
 
             mlflow.end_run()
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class StepLines:
+    """The console progress without a terminal: `<experiment> step 3/80 reward=0.51 tok/s/dev=812 s/step=2.1`,
+    one flushed line per step (tqdm's interface as far as Tracking uses it)."""
+
+    def __init__(self, desc: str, total: int | None, initial: int = 0, stream=None):
+        self.desc, self.total, self.n, self.stream = desc, total, initial, stream
+        self._post: dict = {}
+
+    def set_postfix(self, post: dict, refresh: bool = False) -> None:
+        self._post = dict(post)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        total = f"/{self.total}" if self.total else ""
+        post = "".join(f" {k}={v}" for k, v in self._post.items())
+        print(f"{self.desc} step {self.n}{total}{post}", file=self.stream or sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
 
 
 def _finite(v) -> bool:

@@ -1,0 +1,5 @@
+import sys
+
+from launch.cluster.cli import main
+
+sys.exit(main())

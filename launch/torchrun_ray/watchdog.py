@@ -1,0 +1,50 @@
+"""Per-node safety net: once the agent process is gone, kill every process of its torchrun tree.
+
+Ray SIGKILLs an actor's direct children when the actor dies (ray.kill, a launcher killed with SIGKILL, a lost
+driver), so torchrun gets no chance to stop its ranks, and the ranks (each in its own session) outlive it.
+This watchdog detaches (double fork) so that Ray's cleanup does not take it too, polls the agent's pid, and
+then terminates whatever still carries the job tag, and removes the agent's temporary log dir if given. It
+exits right after; it never outlives the tagged tree.
+
+    python -m launch.torchrun_ray.watchdog <agent pid> <agent start time> <tag> [temp log dir]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+
+POLL_S = 0.5
+
+
+def agent_alive(pid: int, create_time: float) -> bool:
+    import psutil
+
+    try:  # the start time guards against the pid being reused by another process
+        return abs(psutil.Process(pid).create_time() - create_time) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+
+
+def main(argv: list[str]) -> None:
+    pid, create_time, tag = int(argv[0]), float(argv[1]), argv[2]
+    temp_dir = argv[3] if len(argv) > 3 else None
+    if os.fork() > 0:  # the direct child exits at once; the agent reaps it, the grandchild is nobody's child
+        os._exit(0)
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    from launch.torchrun_ray.agent import kill_tagged
+
+    while agent_alive(pid, create_time):
+        time.sleep(POLL_S)
+    kill_tagged(tag, timeout_s=5.0, term_first=True)
+    if temp_dir:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
