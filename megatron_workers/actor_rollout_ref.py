@@ -92,6 +92,7 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
             self.actor = build_role_engine(model_cfg.path, self.dims, model_cfg.dtype, optim=self.config.actor.optim,
                                            megatron_cfg=megatron_cfg)
             self.actor_offload = make_offloader(self.actor, self.config.actor.megatron)
+            self.actor.nonfinite.stage = "update_actor"
         if self.is_ref:
             ref_m = self.config.ref.megatron
             self.ref = build_role_engine(model_cfg.path, self.dims, model_cfg.dtype, megatron_cfg=ref_m)
@@ -208,6 +209,7 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
                 for k, v in metrics.items():
                     history.setdefault(k, []).append(v)
         out = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}
+        out["actor/nonfinite_skipped"] = sum(history.get("nonfinite_skipped", []))  # a count, not a mean
         out["actor/num_updates"] = float(len(history.get("lr", [])))
         return DataProto(meta_info={"metrics": out})
 

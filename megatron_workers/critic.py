@@ -47,6 +47,7 @@ class CriticWorker(Worker):
         self.engine = build_role_engine(cfg.model.path, self.dims, cfg.model.dtype, optim=cfg.optim,
                                         megatron_cfg=cfg.megatron, scalar_head=True)
         self.offload = make_offloader(self.engine, cfg.megatron)
+        self.engine.nonfinite.stage = "update_critic"
         self.set_mesh_coords(MESH, **mesh_coords())
         self.offload.offload()
 
@@ -106,6 +107,7 @@ class CriticWorker(Worker):
                 for k, v in metrics.items():
                     history.setdefault(k, []).append(v)
         out = {f"critic/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}
+        out["critic/nonfinite_skipped"] = sum(history.get("nonfinite_skipped", []))  # a count, not a mean
         return DataProto(meta_info={"metrics": out})
 
     @register(dispatch=Dispatch.ONE_TO_ALL)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 from pathlib import Path
 
@@ -150,6 +151,7 @@ def load_checkpoint(path: str | os.PathLike, model: list, optimizer=None, schedu
     path = Path(path)
     if not (path / "metadata.json").exists():
         raise FileNotFoundError(f"{path} is not a dist_checkpointing checkpoint (no metadata.json)")
+    refuse_unsafe_pickles(path)
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
     if optimizer is not None and not _has_optimizer_state(path):
         raise ValueError(f"checkpoint {path} has no optimizer state; load with optimizer=None")
@@ -175,6 +177,23 @@ def load_checkpoint(path: str | os.PathLike, model: list, optimizer=None, schedu
     saved = saved_layout(path)
     logger.info("loaded checkpoint %s (saved at %s, now %s)", path, saved, _layout())
     return common["extra"]
+
+
+def refuse_unsafe_pickles(path: str | os.PathLike) -> None:
+    """Load every pickle-based file of the checkpoint weights-only first, whatever torch's default or
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD say: a planted payload fails here (UnpicklingError), before megatron's
+    own torch.load calls (which leave weights_only to the default) see it. Tensor data (.distcp) is read by
+    torch.distributed.checkpoint, weights-only too. The allowlist is megatron's (numpy RNG state and the like).
+    """
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()
+    for file in sorted(Path(path).glob("*.pt")):
+        try:
+            torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(f"{file}: refused, not a weights-only file (it would run code when "
+                                         f"unpickled): {str(e).splitlines()[0][:200]}") from None
 
 
 def _ensure_optimizer_state(optimizer) -> None:

@@ -29,13 +29,16 @@ the same as one update on the whole mini-batch in one process.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from hybridflow.controller import fault_inject
 from megatron_workers.logprob import left_justify
+from megatron_workers.nonfinite import NonFiniteGuard
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,7 @@ class MegatronEngine:
         self.model = list(model)  # model chunks: one, or one per virtual pipeline stage (interleaved schedule)
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.nonfinite = NonFiniteGuard("train_step")  # the worker names its stage (update_actor, ...)
         self.config = get_model_config(model[0])  # megatron's chunks share one TransformerConfig
         self.module = _unwrap(model[-1])  # the GPTModel holding the output layer on the last stage (DDP unwrapped)
         self.hf_vocab_size = getattr(self.module, "hf_vocab_size", None)  # real vocab, before TP padding
@@ -270,6 +274,8 @@ class MegatronEngine:
             if micro.get("_padding"):
                 return output.sum() * 0.0, {}
             loss, metrics = loss_fn(output, micro)
+            if fault_inject.nan_requested():  # tests: a NaN loss exactly where HYBRIDFLOW_FAULT says
+                loss = loss * float("nan")
             weight = (count_fn(micro) / total).to(loss.dtype)
             for k, v in {"loss": loss, **metrics}.items():
                 # Clone/detach: the schedule divides the returned loss in place.
@@ -284,7 +290,14 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         self._run(micro_batches, forward_only=False, make_loss=make_loss)
         lr = self.scheduler.current_lr() if self.scheduler is not None else float("nan")
-        update_ok, grad_norm, _ = self.optimizer.step()
+        # fp32/bf16 have no grad scaler to skip a non-finite step (fp16's found_inf does): check first.
+        problem = self.nonfinite.check(self.model, float(sums["loss"]) if "loss" in sums else 0.0)
+        if problem is None:
+            update_ok, grad_norm, _ = self.optimizer.step()
+        else:
+            logger.warning("skipped a non-finite update (%s)", problem)
+            self.optimizer.zero_grad()
+            update_ok, grad_norm = False, None
         if update_ok and self.scheduler is not None:
             self.scheduler.step()
 
@@ -298,6 +311,7 @@ class MegatronEngine:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = lr
         metrics["update_ok"] = float(bool(update_ok))
+        metrics["nonfinite_skipped"] = float(not update_ok)  # ours, or megatron's fp16 found_inf
         return metrics
 
 
@@ -315,11 +329,14 @@ def resolve_dtype(name: str) -> torch.dtype:
     return table[name]
 
 
-def init_megatron(megatron_cfg, timeout_s: float = 300.0):
+def init_megatron(megatron_cfg, timeout_s: float | None = None):
     """Join the process group (env set by torchrun or the worker group) and build megatron's groups.
 
-    Returns the ParallelDims; dp is whatever the world size leaves after tp * pp * cp.
+    timeout_s: every collective's timeout; None: $HYBRIDFLOW_PG_TIMEOUT_S (trainer.fault.pg_timeout_s, set by
+    the trainer's worker groups), else 300 s. Returns the ParallelDims; dp is what the world leaves after tp*pp*cp.
     """
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("HYBRIDFLOW_PG_TIMEOUT_S", 300.0))
     from hybridflow.parallel.dims import LayoutError, ParallelDims
     from megatron_workers.parallel_init import init_distributed, init_model_parallel
 

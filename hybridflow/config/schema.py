@@ -184,6 +184,11 @@ class CustomRewardConfig:
     path: str | None = None
     name: str = "compute_score"
     timeout_s: float = 5.0
+    # sandbox: score each batch in a child process (hybridflow/rewards/sandbox.py) limited to sandbox_timeout_s
+    # of wall time and memory_mb of address space; a batch over a limit scores 0 and is counted.
+    sandbox: bool = False
+    sandbox_timeout_s: float = 60.0
+    memory_mb: int = 1024
 
 
 @dataclass
@@ -233,6 +238,17 @@ class RayConfig:
 
 
 @dataclass
+class FaultConfig:
+    """What the driver does about dead workers and non-finite updates (README 'Reliability')."""
+    detect_timeout_s: float = 60.0  # a dead worker must be noticed within this (Ray's own notice is ~0.1 s)
+    # gloo/NCCL timeout of every worker process group: a rank stuck in a collective with a dead peer gives up
+    # after this (the driver tears the group down long before; this is the backstop).
+    pg_timeout_s: float = 120.0
+    skip_nonfinite: bool = True  # a non-finite loss or grad norm skips that optimizer update (counted)
+    max_nonfinite: int = 3  # that many skipped updates in a row abort the run with a diagnosis
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "hybridflow"
     experiment_name: str = "demo"
@@ -261,6 +277,10 @@ class TrainerConfig:
     test_freq: int = -1
     validation_data_dir: str | None = None  # write each validation's samples to <dir>/step_<N>.jsonl (verl's key)
     ray: RayConfig = field(default_factory=RayConfig)
+    # On a dead worker: tear down every group and rebuild, resuming from the newest complete checkpoint, at
+    # most this many times per run (0: the run ends with the error).
+    max_restarts: int = 0
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 # Defaults that follow another key, like verl's yaml interpolations; load_config puts them under the file

@@ -87,10 +87,15 @@ class WorkerHost:
 
     def call(self, role: str, method: str, args: tuple, kwargs: dict):
         """Run one method; exceptions come back as (traceback text), never as a pickled object."""
+        from hybridflow.controller import fault_inject
         from hybridflow.controller.futures import resolve_futures
 
         try:
             args, kwargs = resolve_futures(args, kwargs)
+            if fault_inject.ENV in os.environ:  # tests: die (or go NaN) at an exact stage, rank and step
+                where = (method, fault_inject.step_of(args, kwargs), int(os.environ.get("RANK", 0)), role)
+                fault_inject.maybe_kill(*where)
+                fault_inject.set_nan(fault_inject.wants_nan(*where))
             return ("ok", getattr(self._roles[role], method)(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - any failure must reach the driver with its traceback
             return ("error", traceback.format_exc())

@@ -46,13 +46,14 @@ class _RoleView:
 class RayWorkerGroup:
     def __init__(self, pool, worker_cls=None, args: Sequence = (), kwargs: dict | None = None, *,
                  role: str = "worker", roles: dict | None = None, env: dict | None = None,
-                 timeout_s: float = 600.0, max_concurrency: int = 1):
+                 timeout_s: float = 600.0, max_concurrency: int = 1, detect_timeout_s: float = 60.0):
         import ray
 
         if (worker_cls is None) == (roles is None):
             raise ValueError("give either worker_cls (one role) or roles={name: (cls, args, kwargs)} (fused)")
         self.pool = pool
         self.timeout_s = timeout_s
+        self.detect_timeout_s = detect_timeout_s
         self.fused = roles is not None
         self.roles = dict(roles) if roles is not None else {role: (worker_cls, tuple(args), dict(kwargs or {}))}
         self.role = "+".join(self.roles)
@@ -177,7 +178,13 @@ class RayWorkerGroup:
         return GroupFuture(self, f"{role}.{name}", refs, ranks, collect, collect_refs)
 
     def _wait(self, method: str, refs: list, ranks: list[int], timeout_s: float | None, raw: bool = False):
-        """Wait for every rank; the first failure is raised at once, naming role and rank."""
+        """Wait for every rank; the first failure is raised at once, naming role and rank.
+
+        A dead rank is noticed within detect_timeout_s even if Ray's own notice (the pending call failing,
+        ~0.1 s) does not come: the wait runs in slices and asks the GCS about the pending ranks' actors
+        after each. An error from a surviving rank (its collective lost a peer) is reported as the peer's
+        death when one of the pending ranks turns out dead, so the driver names the root cause.
+        """
         import ray
 
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -185,8 +192,14 @@ class RayWorkerGroup:
         rank_of = {ref: r for ref, r in zip(refs, ranks, strict=True)}
         results, pending = {}, list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            left = deadline - time.monotonic()
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(left, self.detect_timeout_s / 2)))
             if not ready:
+                dead = self._dead_ranks(rank_of[p] for p in pending)
+                if dead:
+                    raise WorkerDiedError(self.role, dead[0], method, "actor DEAD in the GCS")
+                if time.monotonic() < deadline:
+                    continue
                 raise WorkerTimeoutError(self.role, method, sorted(rank_of[p] for p in pending), timeout_s)
             ref = ready[0]
             rank = rank_of[ref]
@@ -195,19 +208,51 @@ class RayWorkerGroup:
             except ray.exceptions.RayActorError as e:
                 raise WorkerDiedError(self.role, rank, method, type(e).__name__) from None
             except ray.exceptions.RayTaskError as e:
+                self._raise_if_peer_died(method, pending, rank_of)
                 raise WorkerError(self.role, rank, method, str(e)) from None
             if not raw:
                 status, value = value
                 if status != "ok":
+                    self._raise_if_peer_died(method, pending, rank_of)
                     raise WorkerError(self.role, rank, method, value)
             results[ref] = value
         return [results[r] for r in refs]
 
+    def _dead_ranks(self, ranks) -> list[int]:
+        from ray._private import state
+
+        dead = []
+        for r in sorted(ranks):
+            info = state.actors(actor_id=self._hosts[r]._actor_id.hex())
+            if info and info.get("State") == "DEAD":
+                dead.append(r)
+        return dead
+
+    def _raise_if_peer_died(self, method: str, pending: list, rank_of: dict, grace_s: float = 2.0) -> None:
+        """A rank failed; if a pending rank is (or within grace_s turns out) dead, that death is the cause."""
+        import ray
+
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                raise WorkerDiedError(self.role, rank_of[ref], method, "a peer's collective failed first") from None
+            except ray.exceptions.RayTaskError:
+                pass
+        dead = self._dead_ranks(rank_of[p] for p in pending)
+        if dead:
+            raise WorkerDiedError(self.role, dead[0], method, "actor DEAD in the GCS")
+
     def kill(self) -> None:
+        """Kill every rank (the survivors of a dead peer included: they may sit in a collective)."""
         import ray
 
         for h in self._hosts:
-            ray.kill(h, no_restart=True)
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone: nothing to kill
+                pass
         self._hosts.clear()
 
     def host(self, rank: int):

@@ -98,17 +98,26 @@ class RewardManager:
         compute_score: Callable[[str, str, Any, Any], Any] | None = None,
         timeout_s: float = 5.0,
         num_workers: int = 4,
+        sandbox=None,
     ):
+        """sandbox: a hybridflow.rewards.sandbox.SandboxedReward that scores whole batches in a child process
+        (custom_reward_function.sandbox=true) instead of compute_score on threads."""
         if timeout_s <= 0 or num_workers < 1:
             raise ValueError(f"need timeout_s > 0 and num_workers >= 1, got {timeout_s} and {num_workers}")
         self.compute_score = compute_score
         self.timeout_s = timeout_s
         self.num_workers = num_workers
+        self.sandbox = sandbox
 
     @classmethod
     def from_config(cls, cfg, num_workers: int = 4) -> RewardManager:
         """From a CustomRewardConfig (path, name, timeout_s); no path means the built-in scorers."""
         fn = None
+        if cfg.path and getattr(cfg, "sandbox", False):  # the user's code is never imported in the driver
+            from hybridflow.rewards.sandbox import SandboxedReward
+
+            box = SandboxedReward(cfg.path, cfg.name, cfg.sandbox_timeout_s, cfg.memory_mb)
+            return cls(timeout_s=cfg.timeout_s, num_workers=num_workers, sandbox=box)
         if cfg.path:
             from hybridflow.rewards.user_fn import load_reward_fn
 
@@ -136,6 +145,13 @@ class RewardManager:
                    "extra_infos": len(extra_infos)}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"reward inputs differ in length: {lengths}")
+        if self.sandbox is not None:
+            values, statuses, extra = self.sandbox.score(list(data_sources), list(responses), list(ground_truths),
+                                                         list(extra_infos))
+            scores = np.asarray(values, dtype=np.float32)
+            return scores, {"reward/mean": float(scores.mean()) if n else 0.0,
+                            "reward/num_errors": float(statuses.count("error")),
+                            "reward/num_timeouts": float(statuses.count("failed")), **extra}
         if self.compute_score is None:
             unknown = sorted(set(data_sources) - set(BUILTIN_SCORERS))
             if unknown:

@@ -180,7 +180,13 @@ class Rollout(abc.ABC):
         return None
 
     def sampling_for(self, prompts: DataProto) -> SamplingSettings:
-        return SamplingSettings.from_config(self.config).with_overrides(prompts.meta_info)
+        s = SamplingSettings.from_config(self.config).with_overrides(prompts.meta_info)
+        step = prompts.meta_info.get("global_step")
+        if step is not None and not s.is_validation:
+            # Step n's rollout is the n-th training call, also in a worker restarted from a checkpoint at
+            # step n-1: its samples (and so the resumed run's weights) equal an uninterrupted run's.
+            self.__dict__.setdefault("_call_counts", {False: 0, True: 0})[False] = max(int(step) - 1, 0)
+        return s
 
     def next_call_index(self, s: SamplingSettings) -> int:
         """How many calls of this kind came before: training and validation calls are counted apart, so

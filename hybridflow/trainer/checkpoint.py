@@ -3,15 +3,20 @@
 Layout: <root>/global_step_<N>/{actor,critic,trainer_state.json,COMPLETE}.
 A checkpoint is written under a temp name, gets its COMPLETE marker last, and
 is then renamed into place, so a run killed mid-write never leaves a directory
-that `latest()` would pick.
+that `latest()` would pick. A crash at any point of a save leaves the previous
+checkpoint as it was: nothing complete is removed before its successor is in place
+(tests/test_fault.py kills the saver at each `fault_point` below).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
+
+from hybridflow.controller.fault_inject import maybe_kill as fault_point
 
 MARKER = "COMPLETE"
 _STEP = re.compile(r"^global_step_(\d+)$")
@@ -24,19 +29,28 @@ class CheckpointManager:
 
     def staging_dir(self, step: int) -> Path:
         """Where workers write step `step` (shared filesystem on a real cluster)."""
+        if self.root.is_dir():  # partial saves of a crashed run (never resumable) go first
+            for old in self.root.glob(".tmp_*"):
+                shutil.rmtree(old, ignore_errors=True)
         d = self.root / f".tmp_global_step_{step}"
-        if d.exists():
-            shutil.rmtree(d)
         d.mkdir(parents=True)
         return d
 
     def commit(self, step: int, staging: Path, trainer_state: dict) -> Path:
-        (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        (staging / MARKER).write_text(str(step))
+        fault_point("ckpt_before_state", step)
+        _write_synced(staging / "trainer_state.json", json.dumps(trainer_state, indent=1))
+        fault_point("ckpt_before_marker", step)
+        _write_synced(staging / MARKER, str(step))
+        fault_point("ckpt_before_rename", step)
         final = self.root / f"global_step_{step}"
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
+        if final.exists():  # the same step saved again (a fresh run in an old directory): swap, then delete
+            trash = self.root / f".tmp_replaced_global_step_{step}"
+            final.rename(trash)
+            staging.rename(final)
+            shutil.rmtree(trash)
+        else:
+            staging.rename(final)
+        fault_point("ckpt_before_prune", step)
         (self.root / "latest_checkpointed_iteration.txt").write_text(str(step))
         self._prune()
         return final
@@ -64,6 +78,14 @@ class CheckpointManager:
     @staticmethod
     def trainer_state(path: Path) -> dict:
         return json.loads((path / "trainer_state.json").read_text())
+
+
+def _write_synced(path: Path, text: str) -> None:
+    """Write and fsync: the marker must not reach the disk before the state it vouches for."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def check_resume_path(path: str | Path, roles: tuple[str, ...] = ("actor",), key: str = "trainer.resume_mode") -> None:

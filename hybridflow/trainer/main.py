@@ -169,6 +169,24 @@ def validate(cfg: HybridFlowConfig) -> None:
     _validate_validation(cfg)
     if cfg.trainer.ray.address is None:  # a local run: the workers see this machine, so check the TE choice here
         resolved_transformer_impls(cfg)
+    _validate_fault(cfg)
+
+
+def _validate_fault(cfg: HybridFlowConfig) -> None:
+    """trainer.max_restarts, trainer.fault.* and the reward sandbox's limits (README 'Reliability')."""
+    t, f, r = cfg.trainer, cfg.trainer.fault, cfg.custom_reward_function
+    checks = [("trainer.max_restarts", t.max_restarts, t.max_restarts >= 0, ">= 0"),
+              ("trainer.fault.detect_timeout_s", f.detect_timeout_s, f.detect_timeout_s > 0, "> 0"),
+              ("trainer.fault.pg_timeout_s", f.pg_timeout_s, f.pg_timeout_s > 0, "> 0"),
+              ("trainer.fault.max_nonfinite", f.max_nonfinite, f.max_nonfinite >= 0, ">= 0 (0: never abort)"),
+              ("custom_reward_function.sandbox_timeout_s", r.sandbox_timeout_s, r.sandbox_timeout_s > 0, "> 0"),
+              ("custom_reward_function.memory_mb", r.memory_mb, r.memory_mb >= 64, ">= 64")]
+    for key, value, ok, need in checks:
+        if not ok:
+            raise ValueError(f"{key}={value} must be {need}")
+    if t.max_restarts and t.save_freq <= 0:
+        log.warning("trainer.max_restarts=%d with trainer.save_freq=%d: a restart has no checkpoint of this run "
+                    "and starts over from step 0", t.max_restarts, t.save_freq)
 
 
 def _validate_loss_names(cfg: HybridFlowConfig) -> None:
@@ -354,13 +372,14 @@ def build_groups(cfg: HybridFlowConfig, teardown=None) -> dict:
     pools = make_pools(cfg, list(specs))
     log.info("trainer.placement=%s: %s", cfg.trainer.placement,
              ", ".join(f"{name} in pool '{pools[name].name}'" for name in specs))
-    env = {"TOKENIZERS_PARALLELISM": "false"}
+    env = {"TOKENIZERS_PARALLELISM": "false", **fault_env(cfg)}
     teardown = teardown if teardown is not None else Teardown()
     for pool in pools.values():
         teardown.add_pool(pool)
     groups = {}
     for name, (cls, args, role) in specs.items():
-        groups[name] = RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s)
+        groups[name] = RayWorkerGroup(pools[name], cls, args, role=role, env=env, timeout_s=cfg.trainer.ray.timeout_s,
+                                      detect_timeout_s=cfg.trainer.fault.detect_timeout_s)
         teardown.add_group(groups[name])
         log.info("%s: %d ranks on nodes %s", name, groups[name].world_size,
                  " ".join(f"{i}={n[:8]}" for i, n in enumerate(pools[name].node_ids())))
@@ -370,6 +389,19 @@ def build_groups(cfg: HybridFlowConfig, teardown=None) -> dict:
         group.refresh_rendezvous()
         group.init_model()
     return {name: groups.get(name) for name in ("actor_rollout", "ref", "critic", "reward_model")}
+
+
+def fault_env(cfg: HybridFlowConfig) -> dict[str, str]:
+    """trainer.fault as the workers read it (they get their role's config only), plus a test's fault hook."""
+    from hybridflow.controller import fault_inject
+
+    f = cfg.trainer.fault
+    env = {"HYBRIDFLOW_PG_TIMEOUT_S": str(f.pg_timeout_s), "HYBRIDFLOW_SKIP_NONFINITE": str(int(f.skip_nonfinite)),
+           "HYBRIDFLOW_MAX_NONFINITE": str(f.max_nonfinite)}
+    for key in (fault_inject.ENV, fault_inject.STATE_ENV):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
 
 
 def validate_cluster(cfg: HybridFlowConfig) -> None:
@@ -399,7 +431,6 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
     make_dataset = lambda files: RLDataset.from_config(files, tokenizer, cfg.data)
     dataset = make_dataset(cfg.data.train_files)
     val_dataset = make_dataset(cfg.data.val_files) if wants_validation(cfg) else None
-    sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed, shuffle=cfg.data.shuffle)
     reward = RewardManager.from_config(cfg.custom_reward_function)
 
     r = cfg.trainer.ray
@@ -419,19 +450,38 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
         fh.write("# resolved on the driver's machine (workers log their own):\n")
         fh.writelines(f"#   {key}: {choice}\n" for key, choice in impls.items())
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
-    teardown = Teardown()
-    with exit_on_sigterm():  # `ray job stop`: unwind, then take the workers and placement groups down
+    import torch
+
+    from hybridflow.trainer.restart import resume_mode_for_restart, run_with_restarts
+
+    rng = torch.get_rng_state()  # each attempt starts where the first did (a resume then sets the saved one)
+    original_mode, state = str(cfg.trainer.resume_mode), {"trainer": None, "saved": None}
+
+    def attempt(n: int, restart_log) -> list[dict]:
+        torch.set_rng_state(rng)
+        cfg.trainer.resume_mode = resume_mode_for_restart(original_mode, state["saved"])
+        teardown = Teardown()  # every group and placement group of this attempt, whatever happens
         try:
             groups = build_groups(cfg, teardown)
+            sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed,
+                                       shuffle=cfg.data.shuffle)
             trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"],
                                     groups["critic"], ref=groups["ref"], reward_model=groups["reward_model"],
                                     val_dataset=val_dataset)
             trainer.n_params = _count_params(a.model.path)
+            trainer.on_resumed = restart_log.resumed
+            state["trainer"] = trainer
             history = trainer.fit()
             trainer.finish(history)
+            return history
         finally:
-            teardown.close()
-    return history
+            if state["trainer"] is not None and state["trainer"].last_saved is not None:
+                state["saved"] = str(state["trainer"].last_saved)
+            teardown.close()  # also on success: no worker outlives its run
+
+    current_step = lambda: state["trainer"].global_step if state["trainer"] is not None else 0
+    with exit_on_sigterm():  # `ray job stop`: unwind, then take the workers and placement groups down
+        return run_with_restarts(cfg.trainer.max_restarts, attempt, cfg.trainer.default_local_dir, current_step)
 
 
 def _count_params(path: str) -> int:

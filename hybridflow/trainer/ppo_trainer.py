@@ -27,19 +27,34 @@ import torch
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, make_kl_controller
 from hybridflow.config.load import to_dict
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
+from hybridflow.controller.fault_inject import maybe_kill as fault_point
 from hybridflow.protocol import DataProto
 from hybridflow.trainer import metrics as M
 from hybridflow.trainer import validation as V
 from hybridflow.trainer.checkpoint import CheckpointManager
-from hybridflow.trainer.tracking import Tracking, read_jsonl
+from hybridflow.trainer.tracking import Tracking, prepare_jsonl, read_jsonl
 
 log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def timer(name: str, timings: dict):
     t = time.perf_counter()
-    yield
+    with stage(name):
+        yield
     timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    """A worker failure inside carries the stage it broke (`e.stage`), for the restart log and the error."""
+    try:
+        yield
+    except (WorkerDiedError, WorkerTimeoutError, WorkerError) as e:
+        if getattr(e, "stage", None) is None:
+            e.stage = name
+            e.add_note(f"(stage {name})")
+        raise
 
 
 def device_peak_flops(cfg: HybridFlowConfig) -> tuple[float, str]:
@@ -88,6 +103,8 @@ class RayPPOTrainer:
         self.last_val_step: int | None = None  # the step whose policy was last validated (kept in checkpoints)
         self.global_step = 0
         self.n_params = None
+        self.on_resumed = None  # called with the step after resume (hybridflow/trainer/restart.py's log)
+        self.last_saved: Path | None = None  # this run's newest committed checkpoint (a restart resumes it)
 
     # ---------------------------------------------------------------- data
     def total_steps(self) -> int:
@@ -306,13 +323,16 @@ class RayPPOTrainer:
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> Path:
         staging = self.ckpt.staging_dir(self.global_step)
-        self.arr.save_checkpoint(str(staging / "actor"), {"global_step": self.global_step})
-        if self.use_critic:
-            self.critic.save_checkpoint(str(staging / "critic"), {"global_step": self.global_step})
+        with stage("save_checkpoint"):
+            self.arr.save_checkpoint(str(staging / "actor"), {"global_step": self.global_step})
+            fault_point("ckpt_after_actor", self.global_step)
+            if self.use_critic:
+                self.critic.save_checkpoint(str(staging / "critic"), {"global_step": self.global_step})
         state = {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
                  "kl_coef": float(self.kl_ctrl.value), "torch_rng": torch.get_rng_state().tolist(),
                  "last_val_step": self.last_val_step}
-        return self.ckpt.commit(self.global_step, staging, state)
+        self.last_saved = self.ckpt.commit(self.global_step, staging, state)
+        return self.last_saved
 
     def maybe_resume(self) -> int:
         mode = str(self.cfg.trainer.resume_mode)
@@ -342,7 +362,13 @@ class RayPPOTrainer:
     # ---------------------------------------------------------------- loop
     def fit(self) -> list[dict]:
         total = self.total_steps()
-        self.maybe_resume()
+        with stage("resume"):
+            self.maybe_resume()
+        # Steps after the checkpoint were done by a run that died; they are redone, so their trace goes
+        # (as their metrics rows do, in Tracking).
+        prepare_jsonl(self.run_dir / "data_trace.jsonl", self.global_step)
+        if self.on_resumed is not None:
+            self.on_resumed(self.global_step)
         log.info("perf/mfu/actor uses a peak of %.3g FLOP/s per device (%s)", self.peak_flops, self.peak_source)
         if self.cfg.trainer.critic_warmup > 1:
             log.info("trainer.critic_warmup=%d: steps 1-%d update only the critic, the actor from step %d on",
