@@ -75,11 +75,12 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
     def _megatron_cfg(self):
         actor_m, ref_m = self.config.actor.megatron, self.config.ref.megatron
         if self.is_actor and self.is_ref:
-            a = (actor_m.tensor_model_parallel_size, actor_m.pipeline_model_parallel_size,
-                 actor_m.context_parallel_size)
-            r = (ref_m.tensor_model_parallel_size, ref_m.pipeline_model_parallel_size, ref_m.context_parallel_size)
+            lay = lambda m: (m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                             m.virtual_pipeline_model_parallel_size or 1, m.context_parallel_size)
+            a, r = lay(actor_m), lay(ref_m)
             if a != r:
-                raise ValueError(f"actor and ref share a process, so their (tp, pp, cp) must match: actor {a}, ref {r}")
+                raise ValueError(f"actor and ref share a process, so their (tp, pp, vpp, cp) must match: "
+                                 f"actor {a}, ref {r}")
         return actor_m if self.is_actor else ref_m
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -93,8 +94,8 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
             self.actor_offload = make_offloader(self.actor, self.config.actor.megatron)
             self.actor.nonfinite.stage = "update_actor"
         if self.is_ref:
-            self.ref = build_role_engine(model_cfg.path, self.dims, model_cfg.dtype)
             ref_m = self.config.ref.megatron
+            self.ref = build_role_engine(model_cfg.path, self.dims, model_cfg.dtype, megatron_cfg=ref_m)
             self.ref_offload = Offloader(self.ref, params=ref_m.param_offload, grads=False, optimizer=False)
         self.set_mesh_coords(MESH, **mesh_coords())
         if self.is_rollout:

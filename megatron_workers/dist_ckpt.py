@@ -75,9 +75,15 @@ def _unwrap(chunk):
 
 
 def _model_sharded_state_dict(model: list) -> dict:
-    if len(model) != 1:
-        raise NotImplementedError(f"checkpointing {len(model)} model chunks (virtual pipeline) is not supported")
-    return _unwrap(model[0]).sharded_state_dict()
+    """The model's ShardedTensors. One chunk: its dict; VPP: {"model<i>": chunk i's dict} (as Megatron-LM).
+
+    The dict keys are the chunks' local module names (they clash between chunks), but what is stored and
+    matched on load is each ShardedTensor's own key, which megatron makes global (the chunk's layer offset,
+    vp_stage included). So a checkpoint saved at one VPP size (or none) loads at another.
+    """
+    if len(model) == 1:
+        return _unwrap(model[0]).sharded_state_dict()
+    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
 
 
 def rng_state() -> dict:
@@ -101,6 +107,7 @@ def _layout() -> dict:
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
         "dp": ps.get_data_parallel_world_size(),
         "world_size": dist.get_world_size(),
     }
@@ -155,7 +162,11 @@ def load_checkpoint(path: str | os.PathLike, model: list, optimizer=None, schedu
         _ensure_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(state, str(path))
-    _unwrap(model[0]).load_state_dict(loaded["model"])
+    if len(model) == 1:
+        _unwrap(model[0]).load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(model):
+            _unwrap(chunk).load_state_dict(loaded["model"][f"model{i}"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)

@@ -117,19 +117,23 @@ class MegatronEngine:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.utils import get_model_config
 
-        if len(model) != 1:
-            raise NotImplementedError(f"virtual pipeline (model chunks={len(model)}) is not supported")
-        self.model = model
+        self.transformer_impl = "local"  # build_role_engine records the resolved choice
+        self.model = list(model)  # model chunks: one, or one per virtual pipeline stage (interleaved schedule)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.nonfinite = NonFiniteGuard("train_step")  # the worker names its stage (update_actor, ...)
-        self.config = get_model_config(model[0])
-        self.module = _unwrap(model[0])  # the GPTModel (DDP unwrapped)
+        self.config = get_model_config(model[0])  # megatron's chunks share one TransformerConfig
+        self.module = _unwrap(model[-1])  # the GPTModel holding the output layer on the last stage (DDP unwrapped)
         self.hf_vocab_size = getattr(self.module, "hf_vocab_size", None)  # real vocab, before TP padding
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.vpp_size = len(self.model)
+        if self.vpp_size != (ps.get_virtual_pipeline_model_parallel_world_size() or 1):
+            raise ValueError(f"{self.vpp_size} model chunks, but megatron's virtual pipeline size is "
+                             f"{ps.get_virtual_pipeline_model_parallel_world_size()}")
         if ps.get_context_parallel_world_size() > 1:
-            raise NotImplementedError("context parallel > 1 needs sequence sharding of the batch; not supported yet")
+            raise NotImplementedError("context parallel > 1 needs Transformer Engine's attention on GPU and "
+                                      "sequence sharding of the batch; not supported (refused at config time)")
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -141,7 +145,8 @@ class MegatronEngine:
             # What megatron's own training loop wires up: grad sync is deferred to the last
             # micro-batch (no_sync), then finalize_model_grads all-reduces over DP and ties
             # embedding / sequence-parallel norm grads; scale_loss is the fp16 loss scale (1.0 otherwise).
-            self.config.no_sync_func = model[0].no_sync
+            no_sync = [chunk.no_sync for chunk in self.model]
+            self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
             self.config.finalize_model_grads_func = finalize_model_grads
             self.config.grad_scale_func = optimizer.scale_loss
 
@@ -173,15 +178,26 @@ class MegatronEngine:
             output = model(ids, positions.expand_as(ids), None)
             return output, partial(make_loss, micro)
 
+        if self._interleave_padding(len(micro_batches)):
+            raise ValueError(f"the interleaved schedule (vpp={self.vpp_size}) needs a multiple of pp={self.pp_size} "
+                             f"micro-batches, got {len(micro_batches)} (the callers pad)")
+        # The interleaved schedule takes one iterator per chunk; each chunk walks the micro-batches in order.
+        data = iter(micro_batches) if self.vpp_size == 1 else [iter(micro_batches) for _ in self.model]
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
+            data_iterator=data,
             model=self.model,
             num_microbatches=len(micro_batches),
             seq_length=width,
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
+
+    def _interleave_padding(self, num_micro: int) -> int:
+        """Micro-batches to add so megatron 0.16's interleaved schedule accepts the count: it runs them in
+        groups of pp per chunk (microbatch_group_size_per_vp_stage = pp) and refuses any count that is not
+        a multiple of pp. 0 without VPP."""
+        return (-num_micro) % self.pp_size if self.vpp_size > 1 else 0
 
     def _broadcast_from_last_stage(self, obj):
         """Objects (dicts of tensors / floats) computed on the last PP stage, on every PP rank."""
@@ -201,8 +217,10 @@ class MegatronEngine:
             raise ValueError("forward_only got an empty batch")
         micro_batch_size = min(micro_batch_size, n)
         batch = self._pack(batch)
-        # Pipeline p2p needs equal shapes: pad the last micro-batch by repeating its last row.
+        # Pipeline p2p needs equal shapes: pad the last micro-batch by repeating its last row. The interleaved
+        # schedule also needs a multiple of pp micro-batches: pad with whole micro-batches of repeated rows.
         pad_rows = (-n) % micro_batch_size if self.pp_size > 1 else 0
+        pad_rows += self._interleave_padding((n + pad_rows) // micro_batch_size) * micro_batch_size
         if pad_rows:
             batch = {k: torch.cat([v, v[-1:].expand(pad_rows, *v.shape[1:])]) for k, v in batch.items()}
         outputs: list[dict] = []
@@ -246,8 +264,15 @@ class MegatronEngine:
         total = total.clamp(min=1.0)
         loss_scale = float(total) if sum_loss else 1.0
         sums: dict[str, torch.Tensor] = {}
+        # The interleaved schedule takes a multiple of pp micro-batches: repeat the last one as padding
+        # whose loss is 0 * output, so it adds compute but nothing to the gradient or the metrics.
+        pad = self._interleave_padding(num_micro)
+        micro_batches += [{**micro_batches[-1], "_padding": True} for _ in range(pad)]
+        num_micro += pad
 
         def make_loss(micro, output):
+            if micro.get("_padding"):
+                return output.sum() * 0.0, {}
             loss, metrics = loss_fn(output, micro)
             if fault_inject.nan_requested():  # tests: a NaN loss exactly where HYBRIDFLOW_FAULT says
                 loss = loss * float("nan")
@@ -320,7 +345,8 @@ def init_megatron(megatron_cfg, timeout_s: float | None = None):
                   megatron_cfg.context_parallel_size)
     if world_size % (tp * pp * cp):
         raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
-    dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp), sp=megatron_cfg.sequence_parallel)
+    dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp), sp=megatron_cfg.sequence_parallel,
+                        vpp=getattr(megatron_cfg, "virtual_pipeline_model_parallel_size", None) or 1)
     init_model_parallel(dims, seed=megatron_cfg.seed, timeout_s=timeout_s)
     return dims
 
@@ -344,20 +370,29 @@ def build_role_engine(model_path: str, dims, dtype: str = "auto", optim=None, me
     (an HF *ForSequenceClassification reward model), freshly initialised otherwise.
     """
     from megatron_workers.hf_io import checkpoint_weight_map, load_hf_into_mcore, read_hf_config
-    from megatron_workers.model_builder import SUPPORTED_MODEL_TYPES, build_gpt_model
+    from megatron_workers.model_builder import SUPPORTED_MODEL_TYPES, build_model_chunks
 
     hf_config = read_hf_config(model_path)
     torch_dtype = resolve_dtype(dtype)
+    from megatron_workers.model_builder import resolve_transformer_impl
+
+    impl, why = resolve_transformer_impl(getattr(megatron_cfg, "transformer_impl", "auto"))
+    if dist.get_rank() == 0:
+        o = getattr(megatron_cfg, "override_transformer_config", None)
+        logger.info("building %s: transformer_impl=%s (%s), dtype=%s, vpp=%d, recompute=%s", model_path, impl, why,
+                    torch_dtype, dims.vpp, getattr(o, "recompute_granularity", None))
     if scalar_head:
         # Build and load as the causal-LM body; the vocab-sized output layer is loaded from the
         # embedding (always present) and then replaced by the scalar head.
         model_type = hf_config.get("model_type")
         arch = SUPPORTED_MODEL_TYPES.get(model_type)
         hf_config = {**hf_config, "tie_word_embeddings": True, **({"architectures": [arch]} if arch else {})}
-        model = build_gpt_model(hf_config, dims, dtype=torch_dtype, share_embeddings=False)
+        chunks = build_model_chunks(hf_config, dims, dtype=torch_dtype, share_embeddings=False,
+                                    megatron_cfg=megatron_cfg)
     else:
-        model = build_gpt_model(hf_config, dims, dtype=torch_dtype)
-    load_hf_into_mcore([model], model_path, hf_config=hf_config)
+        chunks = build_model_chunks(hf_config, dims, dtype=torch_dtype, megatron_cfg=megatron_cfg)
+    load_hf_into_mcore(chunks, model_path, hf_config=hf_config)
+    model = chunks[-1]  # the chunk with the output layer, on the last stage
     if scalar_head:
         from megatron_workers.heads import attach_scalar_head
 
@@ -370,14 +405,18 @@ def build_role_engine(model_path: str, dims, dtype: str = "auto", optim=None, me
                 score = f.get_tensor("score.weight")
         attach_scalar_head(model, weight=score)
     if optim is None:
-        return MegatronEngine([model])
+        engine = MegatronEngine(chunks)
+        engine.transformer_impl = impl
+        return engine
     from megatron_workers.optimizer import build_optimizer, wrap_ddp
 
     use_dist_opt = bool(megatron_cfg.use_distributed_optimizer) if megatron_cfg is not None else False
-    chunks = wrap_ddp([model], use_distributed_optimizer=use_dist_opt)
+    chunks = wrap_ddp(chunks, use_distributed_optimizer=use_dist_opt)
     optimizer, scheduler = build_optimizer(chunks, optim, use_distributed_optimizer=use_dist_opt,
                                            bf16=torch_dtype == torch.bfloat16)
-    return MegatronEngine(chunks, optimizer, scheduler)
+    engine = MegatronEngine(chunks, optimizer, scheduler)
+    engine.transformer_impl = impl
+    return engine
 
 
 def as_config(cfg, cls):

@@ -124,10 +124,15 @@ def hf_tp_partition_dim(hf_name: str) -> int | None:
 
 
 def layer_offset(model_chunk) -> int:
-    """Global index of this chunk's first layer (megatron's own offset; no virtual pipeline)."""
+    """Global index of this chunk's first layer: megatron's own offset, for the chunk's virtual stage.
+
+    With VPP a stage's chunks are not contiguous: chunk v of stage p starts at (v*pp + p) * layers per
+    chunk (hybridflow.parallel.dims.ParallelDims.chunk_layer_offsets says the same).
+    """
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    return int(get_transformer_layer_offset(unwrap(model_chunk).config))
+    model = unwrap(model_chunk)
+    return int(get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None)))
 
 
 def local_to_global_name(name: str, offset: int) -> str:

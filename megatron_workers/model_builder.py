@@ -120,6 +120,9 @@ def read_hf_facts(cfg) -> HFModelFacts:
     )
 
 
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+
+
 def _transformer_engine_usable() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -130,16 +133,57 @@ def _transformer_engine_usable() -> bool:
     return True
 
 
-def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype = torch.float32):
-    """A megatron TransformerConfig equivalent to the HF config, for layout `dims`."""
+def resolve_transformer_impl(name: str = "auto", key: str = "megatron.transformer_impl") -> tuple[str, str]:
+    """(local | transformer_engine, why) for MegatronConfig.transformer_impl; auto = TE when usable here."""
+    if name not in TRANSFORMER_IMPLS:
+        raise ValueError(f"{key}={name!r}; choose one of {', '.join(TRANSFORMER_IMPLS)}")
+    usable = _transformer_engine_usable()
+    if name == "transformer_engine" and not usable:
+        why = "no CUDA device" if not torch.cuda.is_available() else "transformer_engine does not import"
+        raise ValueError(f"{key}=transformer_engine but Transformer Engine is not usable here ({why}); "
+                         "use local or auto")
+    if name == "auto":
+        return ("transformer_engine", "auto: TE imports and CUDA is present") if usable else (
+            "local", "auto: " + ("no CUDA device" if not torch.cuda.is_available() else "transformer_engine missing"))
+    return name, "asked for"
+
+
+def _recompute_fields(megatron_cfg, dims: ParallelDims, model: ModelShape) -> dict:
+    """TransformerConfig's recompute fields from override_transformer_config, checked with our key names."""
+    from hybridflow.parallel.dims import check_recompute
+
+    o = getattr(megatron_cfg, "override_transformer_config", None)
+    if o is None or o.recompute_granularity is None:
+        check_recompute("megatron.override_transformer_config", None, getattr(o, "recompute_method", None),
+                        getattr(o, "recompute_num_layers", None))
+        return {}
+    check_recompute("megatron.override_transformer_config", o.recompute_granularity, o.recompute_method,
+                    o.recompute_num_layers, dims, model)
+    fields = {"recompute_granularity": o.recompute_granularity}
+    if o.recompute_granularity == "full":
+        fields.update(recompute_method=o.recompute_method, recompute_num_layers=o.recompute_num_layers)
+    else:
+        fields["recompute_modules"] = ["core_attn"]
+    return fields
+
+
+def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype = torch.float32, megatron_cfg=None):
+    """A megatron TransformerConfig equivalent to the HF config, for layout `dims` (with its VPP size).
+
+    megatron_cfg (a MegatronConfig, optional): its override_transformer_config's recompute settings.
+    """
     # Validate first: bad layouts and configs fail before the (slow) megatron import.
     facts = read_hf_facts(hf_config)
-    dims.validate(model=ModelShape.from_hf_config(hf_config))
+    shape = ModelShape.from_hf_config(hf_config)
+    dims.validate(model=shape)
+    recompute = _recompute_fields(megatron_cfg, dims, shape)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype={dtype} is not supported (float32, bfloat16, float16)")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        **recompute,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         num_layers=facts.num_layers,
         hidden_size=facts.hidden_size,
         num_attention_heads=facts.num_heads,
@@ -164,6 +208,11 @@ def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype =
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
+        # gloo (no CUDA) matches batch_isend_irecv's sends and receives per peer in posting order; at PP=2
+        # the interleaved schedule exchanges activations and gradients with the same peer in one batch, so a
+        # gradient landed in an activation buffer (measured: micro-batches 3-4 of 4 got wrong log-probs).
+        # The unbatched path orders the ops by rank parity and splits the directions over two groups.
+        batch_p2p_comm=torch.cuda.is_available(),
         # Fused kernels need CUDA/apex; the unfused paths are exact and portable.
         masked_softmax_fusion=False,
         bias_activation_fusion=False,
@@ -174,10 +223,10 @@ def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype =
     )
 
 
-def build_layer_spec():
+def build_layer_spec(transformer_impl: str = "auto"):
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if _transformer_engine_usable():
+    if resolve_transformer_impl(transformer_impl)[0] == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
@@ -190,29 +239,35 @@ def build_gpt_model(
     dtype: torch.dtype = torch.float32,
     share_embeddings: bool | None = None,
     parallel_output: bool = True,
+    megatron_cfg=None,
+    vp_stage: int | None = None,
 ):
-    """One GPTModel chunk for this rank's pipeline stage (no virtual pipeline).
+    """One GPTModel chunk for this rank's pipeline stage (model chunk `vp_stage` of dims.vpp with VPP).
 
-    pre_process/post_process default to "this rank is the first/last PP stage".
-    share_embeddings defaults to the HF config's tie_word_embeddings.
+    pre_process/post_process default to "this chunk is the first/last of the whole pipeline".
+    share_embeddings defaults to the HF config's tie_word_embeddings. megatron_cfg: a MegatronConfig
+    (recompute and transformer_impl); None: no recompute, auto.
     """
-    config = build_transformer_config(hf_config, dims, dtype)  # validates before importing megatron
+    config = build_transformer_config(hf_config, dims, dtype, megatron_cfg)  # validates before importing megatron
     facts = read_hf_facts(hf_config)
+    impl = getattr(megatron_cfg, "transformer_impl", "auto")
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_workers.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()
+    if dims.vpp > 1 and vp_stage is None:
+        raise ValueError(f"vpp={dims.vpp}: build_gpt_model needs vp_stage (use build_model_chunks)")
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage()
+        pre_process = parallel_state.is_pipeline_first_stage() and vp_stage in (None, 0)
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage()
+        post_process = parallel_state.is_pipeline_last_stage() and vp_stage in (None, dims.vpp - 1)
     if share_embeddings is None:
         share_embeddings = facts.tie_word_embeddings
     model = GPTModel(
         config=config,
-        transformer_layer_spec=build_layer_spec(),
+        transformer_layer_spec=build_layer_spec(impl),
         vocab_size=padded_vocab_size(facts.vocab_size, dims.tp),
         max_sequence_length=facts.max_position_embeddings,
         pre_process=pre_process,
@@ -222,8 +277,18 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=int(facts.rope_theta) if float(facts.rope_theta).is_integer() else facts.rope_theta,
+        **({"vp_stage": vp_stage} if vp_stage is not None else {}),
     )
     model.hf_vocab_size = facts.vocab_size  # the real vocab, for masking padded logits
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def build_model_chunks(hf_config, dims: ParallelDims, dtype: torch.dtype = torch.float32, megatron_cfg=None,
+                       share_embeddings: bool | None = None, parallel_output: bool = True) -> list:
+    """This rank's model chunks: one GPTModel per virtual stage (dims.vpp of them; one without VPP)."""
+    stages = [None] if dims.vpp == 1 else list(range(dims.vpp))
+    return [build_gpt_model(hf_config, dims, dtype=dtype, share_embeddings=share_embeddings,
+                            parallel_output=parallel_output, megatron_cfg=megatron_cfg, vp_stage=v)
+            for v in stages]

@@ -73,6 +73,9 @@ def init_model_parallel(dims: ParallelDims, seed: int = 1234, timeout_s: float =
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
         )
+        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+        if vpp != dims.vpp:
+            raise LayoutError(f"model parallel already initialized with vpp={vpp}, asked for vpp={dims.vpp}")
         if have != (dims.tp, dims.pp):
             raise LayoutError(
                 f"model parallel already initialized with (tp, pp)={have}, asked for {(dims.tp, dims.pp)}"
@@ -82,6 +85,7 @@ def init_model_parallel(dims: ParallelDims, seed: int = 1234, timeout_s: float =
             tensor_model_parallel_size=dims.tp,
             pipeline_model_parallel_size=dims.pp,
             context_parallel_size=dims.cp,
+            virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
             distributed_timeout_minutes=max(1, int(round(timeout_s / 60))),
             # megatron's optimizer set-up asks for its gloo side-channel groups even when everything is gloo
             create_gloo_process_groups=True,

@@ -29,7 +29,8 @@ class RewardModelWorker(Worker):
     def init_model(self) -> None:
         cfg = self.config
         dims = init_megatron(cfg.megatron)
-        self.engine = build_role_engine(cfg.model.path, dims, cfg.model.dtype, scalar_head=True)
+        self.engine = build_role_engine(cfg.model.path, dims, cfg.model.dtype, megatron_cfg=cfg.megatron,
+                                        scalar_head=True)
         self.offload = Offloader(self.engine, params=cfg.megatron.param_offload, grads=False, optimizer=False)
         self.set_mesh_coords(MESH, **mesh_coords())
         self.offload.offload()

@@ -96,6 +96,6 @@ def test_each_role_mesh_is_checked_against_its_own_pool(policy):
     with pytest.raises(ValueError, match=r"no pool for role\(s\) \['ref'\]"):
         validate(load_config(None, [*base, *kl[:2]]))
     validate(load_config(None, [*base, *kl, "trainer.role_pools.ref=refpool"]))
-    with pytest.raises(ValueError, match=r"ref shares the actor's pool 'train'.*\(1, 1, 1\) must equal"):
+    with pytest.raises(ValueError, match=r"ref shares the actor's pool 'train'.*\(1, 1, 1, 1\) must equal"):
         validate(load_config(None, [*base, *kl[:2], "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",
                                     "trainer.role_pools.ref=train"]))

@@ -222,10 +222,10 @@ def test_placement_checks(model_dirs):
     mismatch = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                 "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",  # by default it follows the actor's
                 "actor_rollout_ref.actor.use_kl_loss=true"]
-    with pytest.raises(ValueError, match=r"actor_rollout_ref.ref.megatron \(tp, pp, cp\)=\(1, 1, 1\) must equal"):
+    with pytest.raises(ValueError, match=r"ref.megatron \(tp, pp, vpp, cp\)=\(1, 1, 1, 1\) must equal"):
         _validate(model_dirs, *mismatch)
     _validate(model_dirs, *mismatch, "trainer.placement=standalone")  # its own processes: any layout that fits
-    with pytest.raises(ValueError, match=r"shares the actor's pool 'actor_ref'.*\(1, 1, 1\) must equal"):
+    with pytest.raises(ValueError, match=r"shares the actor's pool 'actor_ref'.*\(1, 1, 1, 1\) must equal"):
         _validate(model_dirs, *mismatch, "trainer.placement=split")  # the paper's split: ref with the actor
     with pytest.raises(ValueError, match=r"critic.megatron tp\*pp\*cp=4"):
         _validate(model_dirs, "critic.enable=true", "critic.megatron.tensor_model_parallel_size=4")

@@ -25,18 +25,11 @@ README = Path(__file__).parent.parent / "README.md"
 IGNORED = {
     "data.return_raw_chat=",  # the dataset always keeps the raw chat
     "actor_rollout_ref.rollout.mode=sync",  # what we do
-    "critic.model.enable_gradient_checkpointing=False",  # no recompute: what we do
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12000",  # verl reads it only with use_dynamic_bsz
 }
 # key=value lines that are refused -> what the message must offer instead (a key of our schema, or a way out).
-_RECOMPUTE = ("not supported yet", "micro_batch_size_per_gpu")
-_VPP = ("not supported yet", "pipeline_model_parallel_size alone")
+# (virtual_pipeline_model_parallel_size=2 and model.enable_gradient_checkpointing are accepted: schema keys.)
 REFUSED = {
-    "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2": _VPP,
-    "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2": _VPP,
-    "critic.megatron.virtual_pipeline_model_parallel_size=2": _VPP,
-    "actor_rollout_ref.model.enable_gradient_checkpointing=True": _RECOMPUTE,
-    "critic.model.enable_gradient_checkpointing=True": _RECOMPUTE,
     "actor_rollout_ref.actor.ppo_micro_batch_size=8": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size=8":
         ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",),
@@ -63,7 +56,7 @@ def header(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
     """Tiny stand-ins for the scripts' data and models: a verl-layout GSM8K parquet and a Qwen2 whose heads,
-    KV heads and layers divide the scripts' TP=4 / PP=4 layouts."""
+    KV heads and layers divide the scripts' TP=4 / PP=4 x VPP=2 layouts (8 layers: 1 per model chunk)."""
     from test_data import write_verl_gsm8k
 
     from hybridflow.models.tiny import save_tiny_model
@@ -71,7 +64,8 @@ def local(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl_local")
     data = root / "gsm8k.parquet"
     write_verl_gsm8k(data)
-    model = save_tiny_model(root / "qwen2", preset="tiny4l", arch="qwen2", num_key_value_heads=4)
+    model = save_tiny_model(root / "qwen2", preset="tiny4l", arch="qwen2", num_key_value_heads=4,
+                            num_hidden_layers=8)
     return {"data": str(data), "model": str(model)}
 
 
@@ -144,7 +138,7 @@ def test_every_listed_line_occurs_in_a_fixture():
     classes = classify_fixture_lines()
     assert classes["refused"] == set(REFUSED) and classes["ignored"] == IGNORED
     keys = {c: {line.split("=", 1)[0] for line in lines} for c, lines in classes.items()}
-    # over the six scripts: 47 distinct keys accepted, 4 ignored, 13 refused (printed for the record with -s)
+    # over the six scripts: 52 distinct keys accepted, 3 ignored, 8 refused (printed for the record with -s)
     print({c: len(k) for c, k in keys.items()})
 
 
@@ -169,6 +163,13 @@ def test_a_pasted_script_passes_the_pre_ray_checks_once_its_refused_keys_are_dro
     assert cfg.trainer.n_gpus_per_node == int(given["trainer.n_gpus_per_node"])
     assert cfg.trainer.logger == given["trainer.logger"].strip("[]").replace('"', "").split(",")
     assert cfg.critic.enable == (given.get("algorithm.adv_estimator", "gae") == "gae")
+    # verl's enable_gradient_checkpointing=True became full recompute of every layer (validate applies it)
+    for flag, m in (("actor_rollout_ref.model", cfg.actor_rollout_ref.actor.megatron),
+                    ("critic.model", cfg.critic.megatron)):
+        on = given.get(f"{flag}.enable_gradient_checkpointing") == "True"
+        o = m.override_transformer_config
+        assert (o.recompute_granularity, o.recompute_method, o.recompute_num_layers) == (
+            ("full", "uniform", 1) if on else (None, None, None)), (path.stem, flag)
 
 
 def test_compat_rules_name_real_replacements():
@@ -202,7 +203,8 @@ def test_a_yaml_file_goes_through_the_same_table(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hybridflow.config.load"):
         cfg = load_config(path)
     assert to_dict(cfg) == to_dict(load_config())
-    assert sum("ignoring verl key" in r.getMessage() for r in caplog.records) == 3
+    # strategy and fsdp_config are dropped; virtual_pipeline_model_parallel_size is a schema key (null: off)
+    assert sum("ignoring verl key" in r.getMessage() for r in caplog.records) == 2
     path.write_text("actor_rollout_ref:\n  actor:\n    strategy: fsdp\n")
     with pytest.raises(ConfigError, match=r"'actor_rollout_ref.actor.strategy=fsdp' is refused.*Megatron only.*"
                                           r"instead: drop it and use actor_rollout_ref.actor.megatron"):
@@ -229,9 +231,9 @@ def test_documented_defaults_are_ours():
 @pytest.mark.parametrize("override, match", [
     ("actor_rollout_ref.rollout.mode=async", r"'actor_rollout_ref.rollout.mode=async' is refused.*not supported yet"),
     ("actor_rollout_ref.actor.strategy=fsdp", r"'actor_rollout_ref.actor.strategy=fsdp' is refused.*Megatron only"),
-    ("critic.megatron.virtual_pipeline_model_parallel_size=4", r"'critic.megatron.virtual_pipeline_model_parallel"),
-    ("+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
-     r"'actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full' is refused"),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=true",
+     r"'actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True' is refused.*"
+     r"only the activation-recompute fields"),
     ("critic.use_dynamic_bsz=true", r"'critic.use_dynamic_bsz=True'.*instead: critic.ppo_micro_batch_size_per_gpu"),
     ("~trainer.logger", r"Hydra's ~key"),
 ])
@@ -257,7 +259,8 @@ def test_an_unknown_key_still_gets_the_nearest_key():
     ("data.truncation=cut", r"data.truncation='cut'; choose one of error, left, right, middle"),
     ("trainer.critic_warmup=-1", r"trainer.critic_warmup=-1 must be >= 0"),
     ("actor_rollout_ref.actor.megatron.context_parallel_size=2",
-     r"actor_rollout_ref.actor.megatron.context_parallel_size=2: context parallelism is not supported yet"),
+     r"actor_rollout_ref.actor.megatron.context_parallel_size=2: context parallelism needs Transformer Engine's "
+     r"attention on GPU"),
 ])
 def test_shared_key_values_are_checked_before_ray(override, match, local):
     from hybridflow.trainer.main import validate

@@ -11,11 +11,44 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class OverrideTransformerConfig:
+    """Megatron TransformerConfig fields a user may set (verl's `megatron.override_transformer_config`).
+
+    Typed, so a misspelt key fails at load with the nearest valid key. Activation recompute trades a second
+    forward for activation memory; the loss and gradients are unchanged (tests/test_mcore_recompute.py):
+      full:      recompute whole transformer layers; needs recompute_method and recompute_num_layers
+                 (uniform: checkpoint every group of recompute_num_layers layers of a model chunk;
+                  block: checkpoint the first recompute_num_layers layers of each model chunk);
+      selective: recompute only the core attention (softmax(QK^T)V; megatron's recompute_modules=[core_attn]);
+                 method and num_layers must be unset. Works with the local spec's unfused attention (CPU and GPU);
+                 with Transformer Engine's fused attention there is little left to save.
+    Checked at config time against the layers per model chunk (hybridflow.parallel.dims.check_recompute).
+    """
+
+    recompute_granularity: str | None = None  # null (off) | full | selective
+    recompute_method: str | None = None  # uniform | block (full only)
+    recompute_num_layers: int | None = None  # full only: 1 .. layers per model chunk
+
+
+@dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Interleaved pipeline (megatron's virtual pipeline): each PP rank holds this many model chunks of
+    # num_layers / (pp * vpp) layers each, and the 1F1B schedule interleaves them (smaller bubble). null or 1: off.
+    # Needs pp >= 2 and the layers per stage divisible by it. Megatron 0.16's interleaved schedule takes a multiple
+    # of pp micro-batches per call; the engine pads with zero-loss micro-batches (compute, no gradient) if needed.
+    virtual_pipeline_model_parallel_size: int | None = None
+    # Context parallel needs Transformer Engine's attention on GPU; refused at config time (any value but 1).
     context_parallel_size: int = 1
     sequence_parallel: bool = False
+    # local (megatron's own modules, portable) | transformer_engine (TE modules: fused attention / norms, GPU)
+    # | auto (TE when it imports and CUDA is present, local otherwise). The choice is logged at start-up.
+    transformer_impl: str = "auto"
+    override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)
+    # Precision: model.dtype picks the params' dtype (auto: bf16 on GPU, fp32 on CPU). With bf16 the
+    # distributed optimizer keeps fp32 main params and Adam state and reduces grads in fp32 (megatron's
+    # DDP grad_reduce_in_fp32); with fp32 params (the CPU default) everything is fp32.
     use_distributed_optimizer: bool = True
     param_offload: bool = False
     grad_offload: bool = False
@@ -40,6 +73,10 @@ class ModelConfig:
     path: str = ""  # an HF directory: config.json, *.safetensors, tokenizer files
     tokenizer_path: str | None = None
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # verl's switch for activation recompute. true: the role's megatron.override_transformer_config gets
+    # full / uniform / 1 layer (every layer recomputed), unless it sets recompute_granularity itself, which wins.
+    # Applied by hybridflow.trainer.main.validate (so the run's config.yaml shows the recompute used).
+    enable_gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -260,7 +297,8 @@ class TrainerConfig:
 INTERPOLATED_DEFAULTS = {
     "actor_rollout_ref.rollout.response_length": "${data.max_response_length}",
     **{f"actor_rollout_ref.ref.megatron.{k}": f"${{actor_rollout_ref.actor.megatron.{k}}}"
-       for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")},
+       for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "virtual_pipeline_model_parallel_size", "context_parallel_size")},
 }
 
 

@@ -6,8 +6,8 @@ an unknown key. A rule either
     backend or mode we do not have, or asks for what we do anyway, so dropping it changes nothing; or
   - REFUSES it, with what to use instead: a verl name we spell differently, a value whose meaning differs
     here, or a feature that is not supported yet (and what to do meanwhile).
-Some rules depend on the value: `virtual_pipeline_model_parallel_size=1` is what we do (ignored), `=2`
-asks for an interleaved schedule we lack (refused).
+Some rules depend on the value: `actor_rollout_ref.rollout.mode=sync` is what we do (ignored), `=async`
+asks for a rollout mode we lack (refused).
 
 Keys that exist in both schemas with the same meaning are not listed here: they are ours
 (hybridflow/config/schema.py). README.md's "Coming from verl" table is generated from RULES
@@ -42,11 +42,7 @@ class Verdict:
 
 _MICRO = "verl's deprecated global micro-batch (verl divides it by the data-parallel size)"
 _DYN = ("token-budget micro-batches (verl's dynamic batch size) are " + NOT_YET, "")
-_VPP = ("interleaved (virtual) pipeline stages are " + NOT_YET,
-        "leave it unset (or 1): pipeline_model_parallel_size alone runs the plain 1F1B schedule")
-_RECOMPUTE = ("Megatron activation recompute is " + NOT_YET,
-              "fit memory with a smaller *micro_batch_size_per_gpu, or more tensor/pipeline parallelism "
-              "(*.megatron.tensor_model_parallel_size / pipeline_model_parallel_size)")
+_RECOMPUTE_KEYS = "recompute_granularity, recompute_method, recompute_num_layers"
 _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
 
 RULES: tuple[Rule, ...] = (
@@ -67,18 +63,17 @@ RULES: tuple[Rule, ...] = (
          "actor_rollout_ref.actor.kl_loss_coef (with actor_rollout_ref.actor.use_kl_loss=true)"),
     Rule("algorithm.in_reward_kl.coef", REFUSED, "an old spelling of the in-reward KL coefficient",
          "algorithm.kl_ctrl.kl_coef (with algorithm.use_kl_in_reward=true)"),
-    # ---- Megatron features not there yet (false / 1 / null ask for what we do anyway)
-    *(Rule(f"{role}.megatron.virtual_pipeline_model_parallel_size", REFUSED, *_VPP, ignore_values=("none", "1"))
-      for role in _ROLES),
+    # ---- Megatron features not there yet. Activation recompute (override_transformer_config.recompute_*,
+    # model.enable_gradient_checkpointing) and virtual_pipeline_model_parallel_size are schema keys now.
     Rule("*.megatron.override_transformer_config.*", REFUSED,
-         "Megatron TransformerConfig overrides (activation recompute, fusions, ...) are " + NOT_YET,
-         "drop them; for activation recompute: " + _RECOMPUTE[1]),
+         "only the activation-recompute fields of Megatron's TransformerConfig can be overridden here "
+         f"({_RECOMPUTE_KEYS}); other overrides (fusions, ...) are " + NOT_YET,
+         "drop it; the recompute fields go under the same prefix "
+         "(actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity and the like)"),
     Rule("*.megatron.override_ddp_config.*", REFUSED, "Megatron DDP config overrides are " + NOT_YET,
          "drop them (gradients are reduced in fp32; the DDP settings are in megatron_workers/optimizer.py)"),
     Rule("*.optim.override_optimizer_config.*", REFUSED, "Megatron optimizer config overrides are " + NOT_YET,
          "drop them; for optimizer memory use *.megatron.optimizer_offload=true"),
-    Rule("actor_rollout_ref.model.enable_gradient_checkpointing", REFUSED, *_RECOMPUTE, ignore_values=("false",)),
-    Rule("critic.model.enable_gradient_checkpointing", REFUSED, *_RECOMPUTE, ignore_values=("false",)),
     # ---- dynamic (token-budget) batching
     Rule("actor_rollout_ref.actor.use_dynamic_bsz", REFUSED, _DYN[0],
          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (and rollout/ref log_prob_micro_batch_size_per_gpu)",
@@ -132,7 +127,13 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference("actor_rollout_ref.actor.megatron.sequence_parallel", "True",
                "off by default here; verl turns it off at TP=1, so set it for TP > 1 to match"),
     Difference("actor_rollout_ref.actor.megatron.context_parallel_size", "1",
-               "values > 1 are refused before Ray: not supported yet"),
+               "values > 1 are refused before Ray: context parallelism needs Transformer Engine's attention on GPU"),
+    Difference("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size", "null",
+               "as verl (megatron's interleaved schedule); needs pp >= 2 and the layers per stage divisible by "
+               "it (checked before Ray); a micro-batch count that is not a multiple of pp gets zero-loss padding"),
+    Difference("actor_rollout_ref.model.enable_gradient_checkpointing", "False",
+               "true means full / uniform / 1-layer recompute for the actor (critic.model's: the critic), unless "
+               "*.megatron.override_transformer_config.recompute_granularity is set, which wins"),
     Difference("actor_rollout_ref.ref.megatron.tensor_model_parallel_size", "1",
                "follows actor_rollout_ref.actor.megatron's (so do pipeline/context_parallel_size): verl's colocated "
                "ref runs on the actor's parallel state whatever it says; colocated, a different value is refused"),

@@ -61,6 +61,9 @@ class ParallelDims:
     dp: int = 1
     cp: int = 1
     sp: bool = False  # sequence parallel (needs tp > 1 to mean anything)
+    # virtual pipeline: model chunks per PP rank (megatron's interleaved schedule); 1: off. Not a mesh
+    # dimension (no ranks of its own): it changes which layers a stage holds (see chunk_layer_offsets).
+    vpp: int = 1
 
     @property
     def world_size(self) -> int:
@@ -76,12 +79,34 @@ class ParallelDims:
             )
         if self.sp and self.tp == 1:
             raise LayoutError("sequence_parallel=True needs tp > 1 (got tp=1)")
+        if self.vpp < 1:
+            raise LayoutError(f"virtual_pipeline_model_parallel_size={self.vpp} must be >= 1 (or null: off)")
+        if self.vpp > 1 and self.pp < 2:
+            raise LayoutError(f"virtual_pipeline_model_parallel_size={self.vpp} interleaves pipeline stages: it "
+                              f"needs pipeline_model_parallel_size >= 2 (got {self.pp})")
         if model is not None:
             _check_divides("num_attention_heads", model.num_heads, "tp", self.tp)
             _check_divides("num_key_value_heads", model.num_kv_heads, "tp", self.tp)
             _check_divides("intermediate_size", model.ffn_hidden_size, "tp", self.tp)
             _check_divides("num_hidden_layers", model.num_layers, "pp", self.pp)
+            per_stage = model.num_layers // self.pp
+            if per_stage % self.vpp:
+                raise LayoutError(f"virtual_pipeline_model_parallel_size={self.vpp} does not divide the layers per "
+                                  f"pipeline stage ({model.num_layers} layers / pp={self.pp} = {per_stage})")
         return self
+
+    def layers_per_chunk(self, num_layers: int) -> int:
+        """Transformer layers in one model chunk (one PP stage without VPP)."""
+        return num_layers // (self.pp * self.vpp)
+
+    def chunk_layer_offsets(self, num_layers: int, pp_rank: int) -> list[int]:
+        """Global index of the first layer of each of this PP rank's model chunks, in chunk order.
+
+        Interleaved: chunk v of stage p holds layers [(v*pp + p)*n, (v*pp + p + 1)*n) with n layers per chunk,
+        so a stage's layers are not contiguous (megatron's get_transformer_layer_offset with vp_stage=v).
+        """
+        n = self.layers_per_chunk(num_layers)
+        return [(v * self.pp + pp_rank) * n for v in range(self.vpp)]
 
     def coords(self, rank: int) -> dict[str, int]:
         """(tp, cp, dp, pp) coordinates of a global rank, tp fastest (Megatron's default order)."""
@@ -97,6 +122,49 @@ class ParallelDims:
 
     def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def check_recompute(key: str, granularity: str | None, method: str | None, num_layers: int | None,
+                    dims: ParallelDims | None = None, model: ModelShape | None = None) -> None:
+    """Activation-recompute settings (`key` = the override_transformer_config they came from), at config time.
+
+    Megatron's own rules (TransformerConfig.__post_init__), said with our key names, plus the bound it states
+    but does not check: recompute_num_layers <= the layers of one model chunk.
+    """
+    if granularity is None:
+        extra = [k for k, v in (("recompute_method", method), ("recompute_num_layers", num_layers)) if v is not None]
+        if extra:
+            raise LayoutError(f"{key}.{extra[0]} is set but {key}.recompute_granularity is null (recompute off); "
+                              f"set recompute_granularity to one of {', '.join(RECOMPUTE_GRANULARITIES)}")
+        return
+    if granularity not in RECOMPUTE_GRANULARITIES:
+        raise LayoutError(f"{key}.recompute_granularity={granularity!r}; choose one of "
+                          f"{', '.join(RECOMPUTE_GRANULARITIES)} (or null: off)")
+    if method is not None and method not in RECOMPUTE_METHODS:
+        raise LayoutError(f"{key}.recompute_method={method!r}; choose one of {', '.join(RECOMPUTE_METHODS)}")
+    if granularity == "selective":
+        for name, value in (("recompute_method", method), ("recompute_num_layers", num_layers)):
+            if value is not None:
+                raise LayoutError(f"{key}.{name}={value!r} with recompute_granularity=selective: selective "
+                                  "recomputes the core attention of every layer; leave it null")
+        return
+    if method is None or num_layers is None:
+        missing = "recompute_method" if method is None else "recompute_num_layers"
+        raise LayoutError(f"{key}.recompute_granularity=full needs {key}.{missing} "
+                          f"(method: {' | '.join(RECOMPUTE_METHODS)}; num_layers: layers per checkpointed group)")
+    if num_layers < 1:
+        raise LayoutError(f"{key}.recompute_num_layers={num_layers} must be >= 1")
+    if dims is not None and model is not None:
+        per_chunk = dims.layers_per_chunk(model.num_layers)
+        if num_layers > per_chunk:
+            where = f"pp={dims.pp}" + (f" x vpp={dims.vpp} model chunks" if dims.vpp > 1 else "")
+            raise LayoutError(f"{key}.recompute_num_layers={num_layers} is larger than the layers per pipeline "
+                              f"stage{' chunk' if dims.vpp > 1 else ''}: {model.num_layers} layers / {where} = "
+                              f"{per_chunk}")
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,15 @@ class HybridEngine:
         from megatron_workers.model_builder import read_hf_facts
 
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        if len(chunks) != 1:
-            raise LayoutError(f"HybridEngine takes one model chunk per rank (no virtual pipeline); got {len(chunks)}")
+        if len(chunks) != dims.vpp:
+            raise LayoutError(f"HybridEngine got {len(chunks)} model chunks per rank, dims.vpp={dims.vpp}")
         self.dims, self.gen_dims, self.hf_config = dims, gen_dims, hf_config
         self.rank = dist.get_rank(group)
         self._check_megatron_order()
-        self._chunk = chunks[0]
-        self._tied = bool(getattr(hf_mapping.unwrap(self._chunk), "share_embeddings_and_output_weights", False))
+        # With VPP a stage holds several non-contiguous layer ranges (one per chunk); the plan is per
+        # parameter and its global name, so the chunks simply contribute all their parameters.
+        self._chunks = chunks
+        self._tied = bool(getattr(hf_mapping.unwrap(chunks[0]), "share_embeddings_and_output_weights", False))
         facts = read_hf_facts(hf_config)
         local_specs, _ = param_specs(
             self._named_params(),
@@ -80,7 +82,7 @@ class HybridEngine:
         from megatron_workers import hf_mapping
 
         # The output layer of a tied model is the embedding (HF and vLLM keep one matrix).
-        return [(n, p) for n, p in hf_mapping.global_named_parameters(self._chunk)
+        return [(n, p) for chunk in self._chunks for n, p in hf_mapping.global_named_parameters(chunk)
                 if not (self._tied and n == "output_layer.weight")]
 
     def group_order(self):

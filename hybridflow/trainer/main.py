@@ -43,11 +43,58 @@ def _role_dims(key: str, m, world: int, hf_config: dict, pool: str | None = None
         raise ValueError(f"{key} tp*pp*cp={tp}*{pp}*{cp}={tp * pp * cp} processes is larger than its {where}")
     if world % (tp * pp * cp):
         raise ValueError(f"{key} tp*pp*cp={tp}*{pp}*{cp}={tp * pp * cp} does not divide the size of its {where}")
+    from hybridflow.parallel.dims import check_recompute
+    from megatron_workers.model_builder import TRANSFORMER_IMPLS
+
+    if m.transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"{key}.transformer_impl={m.transformer_impl!r}; choose one of {', '.join(TRANSFORMER_IMPLS)}")
+    model = ModelShape.from_hf_config(hf_config)
+    o = m.override_transformer_config
     try:
-        return ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel).validate(
-            world, ModelShape.from_hf_config(hf_config))
+        dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel,
+                            vpp=m.virtual_pipeline_model_parallel_size or 1).validate(world, model)
+        check_recompute(f"{key}.override_transformer_config", o.recompute_granularity, o.recompute_method,
+                        o.recompute_num_layers, dims, model)
     except LayoutError as e:
         raise ValueError(f"{key}: {e}") from None
+    return dims
+
+
+def resolved_transformer_impls(cfg: HybridFlowConfig) -> dict[str, str]:
+    """{role's transformer_impl key: "local" | "transformer_engine" (why)}, as this process sees the machine.
+
+    On a local run the workers share the driver's machine, so this is their choice too; on a remote cluster
+    each worker logs its own at start-up (megatron_workers.engine.build_role_engine).
+    """
+    from megatron_workers.model_builder import resolve_transformer_impl
+
+    roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.megatron,
+             "actor_rollout_ref.ref": cfg.actor_rollout_ref.ref.megatron, "critic": cfg.critic.megatron,
+             "reward_model": cfg.reward_model.megatron}
+    out = {}
+    for role, m in roles.items():
+        key = f"{role}.megatron.transformer_impl"
+        impl, why = resolve_transformer_impl(m.transformer_impl, key)
+        out[key] = f"{impl} ({why})"
+    return out
+
+
+GRADIENT_CHECKPOINTING_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform",
+                                    "recompute_num_layers": 1}
+
+
+def apply_gradient_checkpointing(cfg: HybridFlowConfig) -> None:
+    """model.enable_gradient_checkpointing=true -> full recompute of every layer in that model's roles,
+    where the role's override_transformer_config does not choose a recompute itself."""
+    a = cfg.actor_rollout_ref
+    for model, roles in ((a.model, (a.actor.megatron, a.ref.megatron)), (cfg.critic.model, (cfg.critic.megatron,))):
+        if not model.enable_gradient_checkpointing:
+            continue
+        for m in roles:
+            o = m.override_transformer_config
+            if o.recompute_granularity is None and o.recompute_method is None and o.recompute_num_layers is None:
+                for k, v in GRADIENT_CHECKPOINTING_RECOMPUTE.items():
+                    setattr(o, k, v)
 
 
 def needs_ref(cfg: HybridFlowConfig) -> bool:
@@ -99,6 +146,7 @@ def validate(cfg: HybridFlowConfig) -> None:
     if a.rollout.name not in ENGINES:
         raise ValueError(f"actor_rollout_ref.rollout.name={a.rollout.name!r}; choose one of {', '.join(ENGINES)}")
     place = placement_of(cfg)
+    apply_gradient_checkpointing(cfg)
     dims = _role_dims("actor_rollout_ref.actor.megatron", a.actor.megatron, place.world("actor_rollout"), actor_hf,
                       place.describe("actor_rollout"))
     try:
@@ -144,6 +192,8 @@ def validate(cfg: HybridFlowConfig) -> None:
                          f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
     _validate_reward_model(cfg, place, actor_hf)
     _validate_validation(cfg)
+    if cfg.trainer.ray.address is None:  # a local run: the workers see this machine, so check the TE choice here
+        resolved_transformer_impls(cfg)
     _validate_fault(cfg)
 
 
@@ -220,8 +270,10 @@ def _validate_verl_shared_keys(cfg: HybridFlowConfig) -> None:
     for role, m in roles.items():
         if m.context_parallel_size != 1:
             raise ValueError(f"{role}.megatron.context_parallel_size={m.context_parallel_size}: context parallelism "
-                             "is not supported yet; meanwhile set it to 1 and cut activation memory with "
-                             f"{role}.megatron.sequence_parallel=true and tensor_model_parallel_size, or smaller "
+                             "needs Transformer Engine's attention on GPU (its ring attention over the sequence "
+                             "shards), which this stack does not wire up; set it to 1 and cut activation memory "
+                             f"with {role}.megatron.sequence_parallel=true, "
+                             f"{role}.megatron.override_transformer_config.recompute_granularity=full, or smaller "
                              "micro-batches")
 
 
@@ -270,10 +322,11 @@ def _validate_ref(cfg: HybridFlowConfig, place, actor_hf: dict) -> None:
         _role_dims("actor_rollout_ref.ref.megatron", a.ref.megatron, place.world("ref"), actor_hf,
                    place.describe("ref"))
         return
-    layout = lambda m: (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size)
+    layout = lambda m: (m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                        m.virtual_pipeline_model_parallel_size or 1, m.context_parallel_size)
     if layout(a.ref.megatron) != layout(a.actor.megatron):
         raise ValueError(f"the ref shares the actor's {place.describe('ref')} and runs in the actor's processes, "
-                         f"so actor_rollout_ref.ref.megatron (tp, pp, cp)={layout(a.ref.megatron)} must equal "
+                         f"so actor_rollout_ref.ref.megatron (tp, pp, vpp, cp)={layout(a.ref.megatron)} must equal "
                          f"actor_rollout_ref.actor.megatron's {layout(a.actor.megatron)} "
                          "(or give the ref a pool of its own: trainer.placement=standalone, or trainer.role_pools.ref)")
 
@@ -474,7 +527,13 @@ def _prepare_run(cfg: HybridFlowConfig, validated: bool) -> tuple:
         log.warning("trainer.default_local_dir=%s is relative: the run writes to %s (use an absolute path on a "
                     "cluster)", cfg.trainer.default_local_dir, run_dir)
     log.info("run dir: %s", run_dir)
-    save_resolved(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
+    resolved = save_resolved(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
+    impls = resolved_transformer_impls(cfg)
+    for key, choice in impls.items():
+        log.info("%s -> %s", key, choice)
+    with open(resolved, "a") as fh:  # comments: the file still loads as a config, `auto` stays auto
+        fh.write("# resolved on the driver's machine (workers log their own):\n")
+        fh.writelines(f"#   {key}: {choice}\n" for key, choice in impls.items())
     init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
     return tokenizer, dataset, val_dataset, reward
 

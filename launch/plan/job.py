@@ -23,8 +23,9 @@ class PlanInputError(ValueError):
 
 @dataclass(frozen=True)
 class Options:
-    """Planner-side knobs. recompute and vpp model Megatron options the config schema does not carry yet
-    (--recompute-granularity / --num-layers-per-virtual-pipeline-stage); kernels picks the activation profile."""
+    """Planner-side knobs; kernels picks the activation profile. recompute and vpp left at their defaults
+    take the actor's config (override_transformer_config.recompute_granularity, or
+    model.enable_gradient_checkpointing; virtual_pipeline_model_parallel_size): see options_from_config."""
 
     gpu: str = "h100"
     recompute: str = "none"  # none | selective | full (Megatron's recompute_granularity; full = uniform, 1 layer)
@@ -105,8 +106,8 @@ def _dims(key: str, m: MegatronConfig, world: int, shape: Shape) -> ParallelDims
         raise PlanInputError(f"{key}: tp*pp*cp = {tp * pp * cp} does not divide trainer.nnodes*n_gpus_per_node "
                              f"= {world}")
     try:
-        return ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel).validate(
-            world, shape.model_shape)
+        return ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel,
+                            vpp=m.virtual_pipeline_model_parallel_size or 1).validate(world, shape.model_shape)
     except LayoutError as e:
         raise PlanInputError(f"{key}: {e} (model {shape.name})") from None
 
@@ -137,11 +138,30 @@ def kv_cache_bytes(rollout, shape: Shape, dtype: str, device: Device) -> int:
     return int(kv)
 
 
+def options_from_config(cfg: HybridFlowConfig, options: Options) -> Options:
+    """The actor's recompute and VPP from the config where the flags are at their defaults (flags win).
+
+    The planner models full recompute as megatron's uniform method with 1 layer per checkpoint."""
+    from dataclasses import replace
+
+    a = cfg.actor_rollout_ref
+    m = a.actor.megatron
+    granularity = m.override_transformer_config.recompute_granularity
+    if granularity is None and a.model.enable_gradient_checkpointing:
+        granularity = "full"  # what hybridflow.trainer.main.apply_gradient_checkpointing sets
+    if options.recompute == "none" and granularity is not None:
+        options = replace(options, recompute=granularity)
+    if options.vpp == 1 and (m.virtual_pipeline_model_parallel_size or 1) > 1:
+        options = replace(options, vpp=m.virtual_pipeline_model_parallel_size)
+    return options
+
+
 def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
     from hybridflow.algorithms.advantages import needs_critic
     from hybridflow.trainer.main import needs_ref
     from hybridflow.trainer.ppo_trainer import skips_old_log_prob
 
+    options = options_from_config(cfg, options)
     if options.recompute not in RECOMPUTE_MODES:
         raise PlanInputError(f"--recompute {options.recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
     if options.kernels not in KERNEL_PROFILES:
