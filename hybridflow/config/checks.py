@@ -189,10 +189,13 @@ def reward_fn(c) -> None:
         raise ValueError(f"custom_reward_function.path={c.path!r} name={c.name!r}: {e}") from None
 
 
-def data_files(cfg) -> None:
+def data_files(cfg) -> tuple:
     """Read train (and, when validation is scheduled, val) files as the run will: columns, every row's prompt
     and ground truth, and prompt lengths against data.max_prompt_length / data.truncation. Costs a tokenizer
-    load and one tokenisation of the prompts (about a second for GSM8K's 7.5k)."""
+    load and one tokenisation of the prompts (about a second for GSM8K's 7.5k).
+
+    Returns (tokenizer, train dataset, val dataset or None), which the run then uses as they are
+    (trainer.main.build_and_run's `data`), so the prompts are read and tokenised once."""
     from transformers import AutoTokenizer
 
     from hybridflow.data.rl_dataset import RLDataset
@@ -204,9 +207,13 @@ def data_files(cfg) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"{key}={m.tokenizer_path or m.path!r}: the tokenizer does not load ({e})") from None
     validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+    datasets = []
     for files in (cfg.data.train_files, cfg.data.val_files if validating else []):
-        if files:
-            _scorers_exist(cfg, RLDataset.from_config(files, tokenizer, cfg.data))
+        dataset = RLDataset.from_config(files, tokenizer, cfg.data) if files else None
+        if dataset is not None:
+            _scorers_exist(cfg, dataset)
+        datasets.append(dataset)
+    return tokenizer, *datasets
 
 
 def _scorers_exist(cfg, dataset) -> None:

@@ -448,15 +448,16 @@ def validate_cluster(cfg: HybridFlowConfig) -> None:
                          "trainer.ray.address (auto, or host:port) or trainer.nnodes=1")
 
 
-def build_and_run(cfg: HybridFlowConfig, validated: bool = False) -> list[dict]:
-    """Build every worker group and run the loop; `validated`: main() already ran validate(cfg).
+def build_and_run(cfg: HybridFlowConfig, validated: bool = False, data: tuple | None = None) -> list[dict]:
+    """Build every worker group and run the loop; `validated`: main() already ran validate(cfg); `data`: the
+    (tokenizer, dataset, val_dataset) that main()'s checks.data_files already read, so they are not read twice.
     With trainer.max_restarts, a dead worker takes every group down and the job resumes from its newest checkpoint."""
     import torch
 
     from hybridflow.controller.teardown import Teardown, exit_on_sigterm
     from hybridflow.trainer.restart import resume_mode_for_restart, run_with_restarts
 
-    parts = _prepare_run(cfg, validated)
+    parts = _prepare_run(cfg, validated, data)
     place = placement_of(cfg)
     rng = torch.get_rng_state()  # each attempt starts where the first did (a resume then sets the saved one)
     original_mode, state = str(cfg.trainer.resume_mode), {"trainer": None, "saved": None}
@@ -499,8 +500,9 @@ def trainer_session(cfg: HybridFlowConfig, validated: bool = False):
             teardown.close()
 
 
-def _prepare_run(cfg: HybridFlowConfig, validated: bool) -> tuple:
-    """Validate (unless done), then the tokenizer, datasets and reward, then Ray: what every attempt shares."""
+def _prepare_run(cfg: HybridFlowConfig, validated: bool, data: tuple | None = None) -> tuple:
+    """Validate (unless done), then the tokenizer, datasets (unless `data` holds them) and reward, then Ray:
+    what every attempt shares."""
     from transformers import AutoTokenizer
 
     from hybridflow.controller import init_ray
@@ -511,11 +513,14 @@ def _prepare_run(cfg: HybridFlowConfig, validated: bool) -> tuple:
         validate(cfg)
         validate_cluster(cfg)
     a = cfg.actor_rollout_ref
-    tokenizer = AutoTokenizer.from_pretrained(a.model.tokenizer_path or a.model.path)
-    # The same class, prompt length and filtering for both: a val prompt is what a training prompt would be.
-    make_dataset = lambda files: RLDataset.from_config(files, tokenizer, cfg.data)
-    dataset = make_dataset(cfg.data.train_files)
-    val_dataset = make_dataset(cfg.data.val_files) if wants_validation(cfg) else None
+    if data is not None:
+        tokenizer, dataset, val_dataset = data
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(a.model.tokenizer_path or a.model.path)
+        # The same class, prompt length and filtering for both: a val prompt is what a training prompt would be.
+        make_dataset = lambda files: RLDataset.from_config(files, tokenizer, cfg.data)
+        dataset = make_dataset(cfg.data.train_files)
+        val_dataset = make_dataset(cfg.data.val_files) if wants_validation(cfg) else None
     reward = RewardManager.from_config(cfg.custom_reward_function)
 
     r = cfg.trainer.ray
@@ -589,11 +594,11 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, args.overrides)
         validate(cfg)
         validate_cluster(cfg)
-        checks.data_files(cfg)  # the rows too (prompts, ground truth, lengths), still before Ray starts
+        data = checks.data_files(cfg)  # the rows too (prompts, ground truth, lengths), still before Ray starts
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    build_and_run(cfg, validated=True)
+    build_and_run(cfg, validated=True, data=data)
 
 
 if __name__ == "__main__":
