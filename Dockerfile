@@ -9,7 +9,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 # vLLM pins torch==2.13.0 and transformers>=5.16.1,<5.20; install it first so the rest resolves against it.
 RUN pip install "torch==2.13.0" "vllm==0.32.0" "transformers>=5.16.1,<5.20"
 
-RUN pip install "megatron-core==0.16.1" "ray[default]==2.60.0" safetensors pyarrow pandas omegaconf psutil tqdm \
+RUN pip install "megatron-core==0.16.1" "ray[default,tune]==2.60.0" prometheus-client safetensors pyarrow pandas omegaconf psutil tqdm \
         tensorboard matplotlib wandb mlflow-skinny
 
 # Transformer Engine (PyTorch flavour) for the TE layer spec; optional on CPU, used when CUDA is present.

@@ -11,7 +11,8 @@ from setuptools import find_packages, setup
 CORE = [
     "torch==2.13.0",
     "megatron-core==0.16.1",
-    "ray[default]==2.60.0",
+    "ray[default,tune]==2.60.0",  # tune: launch.sweep
+    "prometheus-client",  # trainer.logger=prometheus (also a ray[default] dependency)
     # vLLM 0.32.0 pins transformers>=5.16.1,<5.20 on both the CPU and GPU wheels.
     "transformers>=5.16.1,<5.20",
     "safetensors",
