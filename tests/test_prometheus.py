@@ -107,6 +107,22 @@ def test_endpoint_serves_the_newest_row_on_loopback_only():
         urllib.request.urlopen(e.url, timeout=2)
 
 
+def test_tracking_writes_the_jsonl_row_and_serves_it(tmp_path, capsys):
+    from hybridflow.trainer.tracking import Tracking, read_jsonl
+
+    tr = Tracking(["jsonl", "prometheus"], tmp_path, "p", "e", prometheus={"mode": "auto", "port": 0})
+    assert f"prometheus metrics: {tr._prom.url}" in capsys.readouterr().err  # auto, no cluster joined: http
+    tr.log({"critic/score/mean": 1 / 3, "perf/throughput": 12.5, "bad": float("nan")}, step=1)
+    got = _scrape(tr._prom.url)
+    row = read_jsonl(tmp_path / "metrics.jsonl")[0]
+    assert got["hybridflow_critic_score_mean"][0][1] == row["critic/score/mean"] == 1 / 3
+    assert got["hybridflow_perf_throughput"][0][1] == 12.5
+    assert "hybridflow_bad" not in got  # non-finite values are dropped, as for every backend
+    tr.finish()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(tr._prom.url, timeout=2)
+
+
 def test_a_busy_port_names_the_key():
     e = HttpExporter("p", "e", port=0)
     try:
@@ -255,7 +271,7 @@ def test_ray_mode_reaches_rays_own_prometheus_export(ray_cluster):
 
             export_to_ray({"peak_rss_gb": 1.5}, "critic", 1)
 
-    exporter = make_exporter("ray", "rayproj", "rayexp")
+    exporter = make_exporter("rayproj", "rayexp", mode="ray")
     exporter.update({"critic/score/mean": 0.375, "actor/pg_loss": -0.5})
     rank = FakeRank.remote()
     ray.get(rank.export.remote(), timeout=60)

@@ -179,7 +179,7 @@ def _linger(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def make_exporter(mode: str, project: str, experiment: str, host: str = "127.0.0.1", port: int = 0,
+def make_exporter(project: str, experiment: str, mode: str = "auto", host: str = "127.0.0.1", port: int = 0,
                   joined_cluster: bool = False, linger_s: float = 0.0):
     """The exporter trainer.prometheus asks for; http prints its URL at start."""
     resolved = resolve_mode(mode, joined_cluster)

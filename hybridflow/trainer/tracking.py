@@ -25,7 +25,7 @@ class Tracking:
     def __init__(self, backends: list[str], run_dir: str | Path, project: str, experiment: str,
                  config: dict | None = None, total_steps: int | None = None, start_step: int = 0,
                  prometheus: dict | None = None):
-        """`prometheus`: make_exporter's keyword arguments (mode, host, port, joined_cluster)."""
+        """`prometheus`: make_exporter's keyword arguments (mode, host, port, linger_s, joined_cluster)."""
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
             raise ValueError(f"trainer.logger: unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
@@ -33,6 +33,10 @@ class Tracking:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.backends = list(backends)
         self._bar = self._jsonl = self._tb = self._wandb = self._mlflow = self._prom = None
+        if "prometheus" in backends:  # first: a busy port fails before any other backend opened a file
+            from hybridflow.trainer.prometheus import make_exporter
+
+            self._prom = make_exporter(project=project, experiment=experiment, **(prometheus or {}))
         if "console" in backends:
             if _is_tty(sys.stderr):
                 from tqdm import tqdm
@@ -66,10 +70,6 @@ class Tracking:
             self._mlflow = mlflow.start_run(run_name=experiment)
             if config:
                 mlflow.log_params({k: str(v)[:250] for k, v in _flatten(config).items()})
-        if "prometheus" in backends:
-            from hybridflow.trainer.prometheus import make_exporter
-
-            self._prom = make_exporter(project=project, experiment=experiment, **(prometheus or {}))
 
     def log(self, metrics: dict[str, float], step: int, advance: bool = True) -> None:
         """advance=False: a row that is not a training step (validation before training) leaves the bar's count."""
