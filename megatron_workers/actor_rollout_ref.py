@@ -25,6 +25,7 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
 from megatron_workers.engine import agg_count, as_config, build_role_engine, init_megatron, mesh_coords, micro_agg_mode
 from megatron_workers.offload import Offloader, make_offloader
+from megatron_workers.perf import UpdatePerf
 from megatron_workers.rollout_role import RolloutRole
 
 logger = logging.getLogger(__name__)
@@ -202,15 +203,18 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
         selected = data.select(batch_keys=keys)
         seed = int(data.meta_info.get("global_step", 0)) + self.config.actor.megatron.seed
         history: dict[str, list[float]] = {}
+        perf = UpdatePerf("actor", self.rank)
         with self.actor_offload.resident():
             for mb in selected.make_iterator(mini_batch, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, seed=seed):
-                metrics = self.actor.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn,
-                                                sum_loss=sum_loss)
+                metrics = perf.timed(lambda mb=mb: self.actor.train_step(
+                    mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn, sum_loss=sum_loss),
+                    len(mb), cfg.ppo_micro_batch_size_per_gpu)
                 for k, v in metrics.items():
                     history.setdefault(k, []).append(v)
         out = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}
         out["actor/nonfinite_skipped"] = sum(history.get("nonfinite_skipped", []))  # a count, not a mean
         out["actor/num_updates"] = float(len(history.get("lr", [])))
+        out.update(perf.metrics())
         return DataProto(meta_info={"metrics": out})
 
     # ------------------------------------------------------------------ checkpoints / export

@@ -23,6 +23,7 @@ from megatron_workers.engine import (
 )
 from megatron_workers.heads import response_values
 from megatron_workers.offload import make_offloader
+from megatron_workers.perf import UpdatePerf
 
 MESH = "critic"
 
@@ -100,14 +101,17 @@ class CriticWorker(Worker):
         history: dict[str, list[float]] = {}
         batches = data.select(batch_keys=keys).make_iterator(rows // self.dims.dp, epochs=cfg.ppo_epochs,
                                                              shuffle=False, seed=seed)
+        perf = UpdatePerf("critic", self.rank)
         with self.offload.resident():
             for mb in batches:
-                metrics = self.engine.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn,
-                                                 sum_loss=sum_loss)
+                metrics = perf.timed(lambda mb=mb: self.engine.train_step(
+                    mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn, sum_loss=sum_loss),
+                    len(mb), cfg.ppo_micro_batch_size_per_gpu)
                 for k, v in metrics.items():
                     history.setdefault(k, []).append(v)
         out = {f"critic/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}
         out["critic/nonfinite_skipped"] = sum(history.get("nonfinite_skipped", []))  # a count, not a mean
+        out.update(perf.metrics())
         return DataProto(meta_info={"metrics": out})
 
     @register(dispatch=Dispatch.ONE_TO_ALL)

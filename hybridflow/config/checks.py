@@ -164,6 +164,22 @@ def trainer_keys(t) -> None:
         raise ValueError(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be >= 1 (or null: keep all)")
     if not _finite(t.ray.timeout_s) or t.ray.timeout_s <= 0:
         raise ValueError(f"trainer.ray.timeout_s={t.ray.timeout_s} must be > 0 (every blocking wait is bounded)")
+    prometheus(t)
+
+
+def prometheus(t) -> None:
+    """trainer.prometheus, checked whether or not the logger is on (a typo should not wait for the day it is)."""
+    from hybridflow.trainer.prometheus import MODES
+
+    p = t.prometheus
+    if p.mode not in MODES:
+        raise ValueError(f"trainer.prometheus.mode={p.mode!r}: choose from {list(MODES)}")
+    if not isinstance(p.port, int) or isinstance(p.port, bool) or not 0 <= p.port <= 65535:
+        raise ValueError(f"trainer.prometheus.port={p.port!r} must be a port number 0-65535 (0: a free one)")
+    if not _finite(p.linger_s) or p.linger_s < 0:
+        raise ValueError(f"trainer.prometheus.linger_s={p.linger_s!r} must be >= 0 seconds")
+    if not isinstance(p.host, str) or not p.host:
+        raise ValueError(f"trainer.prometheus.host={p.host!r} must be an address to bind (127.0.0.1: loopback)")
 
 
 def resume(cfg) -> None:

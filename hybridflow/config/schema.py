@@ -238,6 +238,17 @@ class RayConfig:
 
 
 @dataclass
+class PrometheusConfig:
+    """trainer.logger `prometheus`: where the step gauges go (hybridflow/trainer/prometheus.py)."""
+    # auto: Ray's metrics export when the trainer joined a cluster (trainer.ray.address), else the http endpoint
+    mode: str = "auto"  # auto | ray | http
+    host: str = "127.0.0.1"  # the http endpoint's address; loopback unless you choose to expose it
+    port: int = 9464  # the http endpoint's port; 0: a free one (the URL is printed at start)
+    # keep the last step's gauges up this long after the run, so a scrape (every 5-60 s) still sees them
+    linger_s: float = 0.0
+
+
+@dataclass
 class FaultConfig:
     """What the driver does about dead workers and non-finite updates (README 'Reliability')."""
     detect_timeout_s: float = 60.0  # a dead worker must be noticed within this (Ray's own notice is ~0.1 s)
@@ -288,6 +299,7 @@ class TrainerConfig:
     # most this many times per run (0: the run ends with the error).
     max_restarts: int = 0
     fault: FaultConfig = field(default_factory=FaultConfig)
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
 
 
 # Defaults that follow another key, like verl's yaml interpolations; load_config puts them under the file

@@ -150,7 +150,8 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference("trainer.val_before_train", "True",
                "off here, so a config without data.val_files runs; on, it validates at step 0 as verl"),
     Difference("trainer.logger", "['console', 'wandb']",
-               "wandb runs offline (no network) unless WANDB_MODE says otherwise; also jsonl, tensorboard, mlflow"),
+               "wandb runs offline (no network) unless WANDB_MODE says otherwise; also jsonl, tensorboard, mlflow, "
+               "prometheus (README 'Watching a run')"),
     Difference("trainer.critic_warmup", "0", "verl's rule: the actor is updated at steps >= critic_warmup "
                "(counted from 1), so N gives N-1 critic-only steps; N > 1 without a critic is refused before Ray"),
     Difference("trainer.default_local_dir", "checkpoints/${trainer.project_name}/${trainer.experiment_name}",

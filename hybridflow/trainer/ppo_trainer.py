@@ -361,6 +361,11 @@ class RayPPOTrainer:
         return self.global_step
 
     # ---------------------------------------------------------------- loop
+    def prometheus_options(self) -> dict:
+        p = self.cfg.trainer.prometheus
+        return {"mode": p.mode, "host": p.host, "port": p.port, "linger_s": p.linger_s,
+                "joined_cluster": bool(self.cfg.trainer.ray.address)}
+
     def fit(self) -> list[dict]:
         total = self.total_steps()
         with stage("resume"):
@@ -376,7 +381,7 @@ class RayPPOTrainer:
                      self.cfg.trainer.critic_warmup, self.cfg.trainer.critic_warmup - 1, self.cfg.trainer.critic_warmup)
         tracker = Tracking(self.cfg.trainer.logger, self.run_dir, self.cfg.trainer.project_name,
                            self.cfg.trainer.experiment_name, to_dict(self.cfg), total_steps=total,
-                           start_step=self.global_step)
+                           start_step=self.global_step, prometheus=self.prometheus_options())
         history = []
         validating = self.val_dataset is not None
         try:
