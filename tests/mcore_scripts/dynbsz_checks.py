@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=int, required=True)
+    ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args()
 
     from hybridflow.protocol import DataProto
@@ -62,7 +63,7 @@ def main() -> None:
     from megatron_workers.offload import make_offloader
 
     # The non-distributed optimizer: after the all-reduce every rank holds the whole gradient.
-    cfg = actor_config(args.model, dist_opt=False, micro_batch=8)
+    cfg = actor_config(args.model, pp=args.pp, dist_opt=False, micro_batch=8)
     worker = ActorRolloutRefWorker(cfg, role="actor_ref")
     worker.init_model()
     coords = worker.get_mesh_coords("actor")
@@ -108,7 +109,8 @@ def main() -> None:
 
     # ---- critic: a second engine in the same Megatron groups
     critic = CriticWorker({"model": {"path": args.model, "dtype": "float32"},
-                           "megatron": {"use_distributed_optimizer": False, "seed": 7},
+                           "megatron": {"use_distributed_optimizer": False, "seed": 7,
+                                        "pipeline_model_parallel_size": args.pp},
                            "optim": {"lr": 1e-3}, "ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 3,
                            "ppo_max_token_len_per_gpu": args.budget, "forward_max_token_len_per_gpu": args.budget})
     critic.dims = worker.dims
