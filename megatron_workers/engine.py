@@ -28,10 +28,15 @@ token-budget ones (verl's use_dynamic_bsz; hybridflow/data/token_budget.py):
 rows grouped so each micro-batch's valid tokens fit the budget, results put
 back in the original row order. In train_step every DP rank runs the same
 number of micro-batches (the max over DP, by splitting micro-batches, never
-empty ones): our DDP reduces gradients once after the last micro-batch, so
-unequal counts would still sum correctly today, but megatron's overlapped
-grad reduce and per-micro-batch bucket hooks assume one schedule, and a rank
-that finishes early only waits at the all-reduce anyway.
+empty ones). With megatron's DDP as wired here this is not needed for the
+sum itself: gradients are reduced once, after the last micro-batch (no_sync
+before it, overlapped or not), and each rank's loss is scaled by its own
+count. It is kept because it is cheap (one int all-reduce per update) and it
+keeps one schedule on every rank: a collective ever added per micro-batch
+(inside a loss closure, or an MoE/aux-loss reduction) would otherwise hang
+on the rank that has fewer, and a rank that finishes early only waits at the
+gradient all-reduce anyway. Within a pipeline the stages always agree: they
+pack the same rows the same way.
 
 Loss normalisation is global over the mini-batch: a micro-batch's loss is
 weighted by its share of the mini-batch's tokens (or non-empty sequences),
