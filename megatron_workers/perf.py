@@ -16,7 +16,6 @@ KiB on Linux), which is the number that matters on CPU.
 from __future__ import annotations
 
 import logging
-import math
 import resource
 import time
 
@@ -34,14 +33,6 @@ def peak_memory_gb() -> dict[str, float]:
     return out
 
 
-def micro_batches(rows: int, micro_batch_size: int) -> int:
-    """Micro-batches of one update on this rank: the engine's rule (a micro-batch larger than the share is
-    the whole share in one pass)."""
-    if rows <= 0:
-        return 0
-    return math.ceil(rows / max(1, min(micro_batch_size, rows)))
-
-
 class UpdatePerf:
     """Accumulates the updates of one role-method call; `metrics()` at the end gives `<role>/perf/*`."""
 
@@ -50,11 +41,12 @@ class UpdatePerf:
         self.seconds = 0.0
         self.micro = 0
 
-    def timed(self, fn, rows: int, micro_batch_size: int):
+    def timed(self, fn):
+        """Run one `train_step` and count its micro-batches as it reports them (fixed-size or token-budget)."""
         t = time.perf_counter()
         out = fn()
         self.seconds += time.perf_counter() - t
-        self.micro += micro_batches(rows, micro_batch_size)
+        self.micro += int(out.get("num_micro_batches", 0))
         return out
 
     def metrics(self) -> dict[str, float]:

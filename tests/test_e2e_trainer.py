@@ -33,6 +33,7 @@ REQUIRED = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
     "response_length/mean", "response_length/max", "response_length/clip_ratio",
     "rollout/logprob_diff_mean",
+    *(f"perf/padding_fraction/{stage}" for stage in ("ref", "values", "update_critic", "update_actor")),
 ]
 
 

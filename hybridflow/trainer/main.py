@@ -164,7 +164,7 @@ def validate(cfg: HybridFlowConfig) -> None:
     if rows % dims.dp:
         raise ValueError(f"data.train_batch_size={rows} is not divisible by the actor dp size {dims.dp}")
     checks.update_batches("actor_rollout_ref.actor", a.actor.ppo_mini_batch_size, a.actor.ppo_micro_batch_size_per_gpu,
-                          a.rollout.n, dims.dp, rows)
+                          a.rollout.n, dims.dp, rows, dynamic=a.actor.use_dynamic_bsz)
     checks.sampling(cfg)
     steps = cfg.trainer.total_training_steps
     checks.optim("actor_rollout_ref.actor.optim", a.actor.optim, steps)
@@ -182,8 +182,9 @@ def validate(cfg: HybridFlowConfig) -> None:
                                  place.describe("critic"))
         checks.counts(cfg, ("critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs"))
         checks.update_batches("critic", c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu, a.rollout.n,
-                              critic_dims.dp, rows)
+                              critic_dims.dp, rows, dynamic=c.use_dynamic_bsz)
         checks.optim("critic.optim", c.optim, steps)
+    checks.token_budgets(cfg)  # after critic.enable is known
     checks.resume(cfg)  # after critic.enable is known: a critic run needs the checkpoint's critic
     checks.reward_fn(cfg.custom_reward_function)
     _validate_verl_shared_keys(cfg)

@@ -231,6 +231,8 @@ class RayPPOTrainer:
                 out = self.arr.update_actor(batch)
                 metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
         step_time = time.perf_counter() - t_step
+        # forward-only stages report their padding share in meta_info (one key per stage, see the workers)
+        metrics.update({k: float(v) for k, v in batch.meta_info.items() if k.startswith("perf/padding_fraction/")})
         n_prompt, n_resp = M.token_counts(batch)
         metrics.update(M.data_metrics(batch, self.use_critic, rollout_vs_old=not skip_old))
         if skip_old and "actor/rollout_logprob_diff" in metrics:
