@@ -115,9 +115,15 @@ def _tuner(spec: dict, dims: list[Dim], cfg, restore: bool, restart_errored: boo
     return tune.Tuner(
         trainable, param_space={"overrides": {d.key: d.to_tune() for d in dims}},
         tune_config=tune.TuneConfig(metric=spec["metric"], mode=spec["mode"], num_samples=spec["num_samples"],
-                                    scheduler=scheduler, max_concurrent_trials=spec["max_concurrent"]),
+                                    scheduler=scheduler, max_concurrent_trials=spec["max_concurrent"],
+                                    trial_dirname_creator=_trial_dirname),
         run_config=tune.RunConfig(storage_path=str(path.parent), name=path.name, verbose=1,
                                   failure_config=tune.FailureConfig(max_failures=spec["max_failures"])))
+
+
+def _trial_dirname(trial) -> str:
+    """Tune's directory of a trial is named by its id alone, so a Result (restored ones too) says which it is."""
+    return trial.trial_id
 
 
 def collect(result_grid) -> list[dict]:
@@ -128,8 +134,9 @@ def collect(result_grid) -> list[dict]:
     for r in result_grid:
         df = r.metrics_dataframe
         history = [] if df is None else [{k: v for k, v in row.items() if v == v} for row in df.to_dict("records")]
-        trial_id = (r.metrics or {}).get("trial_id") or Path(r.path).name
-        trials.append({"trial": trial_id, "overrides": dict(r.config.get("overrides", {})), "history": history,
+        # A trial restored by --resume that never reported has no config in its last result: Tune's params.json has it.
+        params = r.config or json.loads((Path(r.path) / "params.json").read_text())
+        trials.append({"trial": Path(r.path).name, "overrides": dict(params.get("overrides", {})), "history": history,
                        "error": first_line(r.error)})
     return sorted(trials, key=lambda t: t["trial"])
 
