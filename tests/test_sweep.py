@@ -5,9 +5,9 @@ per trial, HF rollout, 2 steps), lr=grid(1e-5, 1e-3, -1.0): two trials finish, t
 check inside the trial and is an ERROR row while the others run on. The cluster is made exactly two trials
 big (trainer.ray.num_cpus=4, a trial reserves 2 CPUs), so the sweep only finishes if each trial's worker
 groups run inside the trial's own placement group: a trainer making its own placement groups would wait
-for CPUs that Tune already holds. The table and best.yaml are checked against the trials' own
-metrics.jsonl files (the trainer's logger, not what Tune reported), best.yaml is loaded with the trainer's
-config loader, and --resume restores the finished sweep without running any trial again.
+for CPUs that Tune already holds. The table (made from the trials' own metrics.jsonl) is checked against
+what Tune received from each step (its progress.csv, the other path out of the trainer), best.yaml is loaded
+with the trainer's config loader, and --resume restores the finished sweep without running any trial again.
 """
 
 from __future__ import annotations
@@ -171,14 +171,16 @@ def test_two_trials_finish_a_bad_one_errors_and_the_table_lists_them(sweep):
 @pytest.mark.slow
 def test_best_is_the_max_of_the_trials_own_metrics_and_reloads(sweep):
     from hybridflow.config.load import load_config
-    from hybridflow.trainer.tracking import read_jsonl
 
     out, _ = sweep
     result = json.loads((out / "results.json").read_text())
     finished = [t for t in result["trials"] if t["status"] == "DONE"]
-    # independent reference: the trainer's own metrics.jsonl of each trial, not what Tune was sent
-    own = {t["trial"]: max(r[METRIC] for r in read_jsonl(out / "trials" / t["trial"] / "metrics.jsonl"))
-           for t in finished}
+    # reference: what each step reported to Tune (Tune's progress.csv), not the trainer's metrics.jsonl
+    own = {}
+    for t in finished:
+        reported = list(csv.DictReader(open(out / t["trial"] / "progress.csv")))
+        assert [float(r["training/global_step"]) for r in reported] == [1.0, 2.0]  # every step was reported
+        own[t["trial"]] = max(float(r[METRIC]) for r in reported)
     for t in finished:
         assert t["best"] == pytest.approx(own[t["trial"]], rel=1e-12)
     assert len(set(own.values())) == 2, own  # the two lrs really differ, so the choice below means something

@@ -3,7 +3,7 @@
 A trial record: {"trial": id, "overrides": {key: value}, "history": [each reported step's metrics],
 "error": the error's first line or None}. Its table row adds the best value of the metric over its steps
 (max or min, --mode), the step of that value, how many steps it ran, and its status: DONE (every step), STOPPED
-(fewer: the scheduler stopped it early) or ERROR.
+(fewer: the scheduler stopped it early, or the sweep was interrupted; --resume goes on) or ERROR.
 """
 
 from __future__ import annotations

@@ -126,14 +126,24 @@ def _trial_dirname(trial) -> str:
     return trial.trial_id
 
 
-def collect(result_grid) -> list[dict]:
-    """ResultGrid -> launch.sweep.results trial records (what each trial reported, its error's first line)."""
+def collect(result_grid, sweep_dir: str) -> list[dict]:
+    """ResultGrid -> launch.sweep.results trial records: each trial's steps, overrides and error's first line.
+
+    The steps are the trial's own metrics.jsonl (every trial logs one, launch.sweep.trial): a trial that --resume
+    restarted goes on from its checkpoint, and Tune's record of it (progress.csv) starts again there, while the
+    trainer's file keeps the steps before. Without that file (a trial that never started): what Tune received."""
+    from hybridflow.trainer.tracking import read_jsonl
     from launch.sweep.results import first_line
+    from launch.sweep.trial import trial_dir
 
     trials = []
     for r in result_grid:
+        own = trial_dir(sweep_dir, Path(r.path).name) / "metrics.jsonl"
         df = r.metrics_dataframe
-        history = [] if df is None else [{k: v for k, v in row.items() if v == v} for row in df.to_dict("records")]
+        if own.is_file():
+            history = read_jsonl(own)
+        else:
+            history = [] if df is None else [{k: v for k, v in row.items() if v == v} for row in df.to_dict("records")]
         # A trial restored by --resume that never reported has no config in its last result: Tune's params.json has it.
         params = r.config or json.loads((Path(r.path) / "params.json").read_text())
         trials.append({"trial": Path(r.path).name, "overrides": dict(params.get("overrides", {})), "history": history,
@@ -179,7 +189,7 @@ def run_sweep(spec: dict | None = None, resume: str | None = None, restart_error
     _start_ray(cfg, str(sweep_dir))
     try:
         grid = _tuner(spec, dims, cfg, restore=bool(resume), restart_errored=restart_errored).fit()
-        trials = collect(grid)
+        trials = collect(grid, spec["sweep_dir"])
     finally:
         ray.shutdown()
     rows = table_rows(trials, spec["metric"], spec["mode"], cfg.trainer.total_training_steps or 0)

@@ -56,6 +56,8 @@ def run_trial(config: dict, spec: dict) -> None:
         os.chdir(spec["cwd"])
     trial_id = tune.get_context().get_trial_id()
     cfg = load_config(spec["config"], trial_overrides(spec, config["overrides"], trial_id))
+    if "jsonl" not in cfg.trainer.logger:  # the trial's own record of every step, kept across a resume
+        cfg.trainer.logger.append("jsonl")
     validate(cfg)
     validate_cluster(cfg)
     bundles, first = trial_bundles(cfg)
