@@ -213,3 +213,27 @@ def test_resume_of_a_directory_that_is_no_sweep(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no sweep.json there"):
         run_sweep(resume=str(tmp_path))
+
+
+def _spec(tmp_path, space: list[str], metric: str = "critic/score/mean", overrides=()):
+    from launch.sweep.run import sweep_spec
+
+    return sweep_spec(None, list(overrides), space, tmp_path / "sweep", metric, "max", 1, "fifo", 1, 2, 0, None)
+
+
+@pytest.mark.bad_input
+def test_a_space_that_changes_the_pools_or_a_multi_node_trial_is_refused_before_any_trial(tmp_path):
+    from launch.sweep.run import prepare
+
+    with pytest.raises(ValueError, match=r"change a trial's pools.*trainer\.n_gpus_per_node=1.*n_gpus_per_node=2"):
+        prepare(_spec(tmp_path, ["trainer.n_gpus_per_node=choice(1,2)"]))
+    with pytest.raises(ValueError, match=r"trainer\.nnodes=2: a sweep trial runs on one node"):
+        prepare(_spec(tmp_path, [f"{LR}=choice(1e-5)"], overrides=["trainer.nnodes=2"]))
+    with pytest.raises(ValueError, match=r"--metric val-core/x/reward/mean@1 is a validation metric.*test_freq > 0"):
+        prepare(_spec(tmp_path, [f"{LR}=choice(1e-5)"], "val-core/x/reward/mean@1",
+                      ["data.val_files=[]", "trainer.test_freq=-1"]))
+    with pytest.raises(ValueError, match="--mode 'best': choose max or min"):
+        from launch.sweep.run import sweep_spec
+
+        sweep_spec(None, [], [f"{LR}=choice(1e-5)"], tmp_path, "m", "best", 1, "fifo", 1, 2, 0, None)
+    assert not (tmp_path / "sweep").exists()  # nothing was started or written

@@ -69,13 +69,6 @@ def prepare(spec: dict):
     dims = parse_space(spec["space"], is_valid_key)
     check_space(spec["config"], spec["overrides"], dims)
     probes = probe_overrides(dims)
-    cfg = _load(spec["config"], [*spec["overrides"], *probes[0]])
-    validate(cfg)
-    validate_cluster(cfg)
-    if spec["metric"].startswith("val-") and not (cfg.data.val_files and (cfg.trainer.test_freq > 0)):
-        raise ValueError(f"--metric {spec['metric']} is a validation metric, but the trials do not validate during "
-                         f"training: set data.val_files and trainer.test_freq > 0 (got {cfg.data.val_files}, "
-                         f"{cfg.trainer.test_freq})")
     layouts = {}
     for probe in probes:
         bundles, _ = trial_bundles(_load(spec["config"], [*spec["overrides"], *probe]), use_gpu=False)
@@ -83,6 +76,15 @@ def prepare(spec: dict):
     if len(layouts) > 1:
         raise ValueError("the swept values change a trial's pools (one placement group layout serves every trial): "
                          + "; ".join(f"{', '.join(p)} -> {b}" for b, p in layouts.items()))
+    if spec["metric"].startswith("val-"):
+        c = _load(spec["config"], [*spec["overrides"], *probes[0]])
+        if not (c.data.val_files and c.trainer.test_freq > 0):
+            raise ValueError(f"--metric {spec['metric']} is a validation metric, but the trials do not validate "
+                             f"during training: set data.val_files and trainer.test_freq > 0 (got "
+                             f"{c.data.val_files}, {c.trainer.test_freq})")
+    cfg = _load(spec["config"], [*spec["overrides"], *probes[0]])
+    validate(cfg)
+    validate_cluster(cfg)
     return dims, cfg
 
 
