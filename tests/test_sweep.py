@@ -114,6 +114,8 @@ def test_table_best_and_status_by_hand():
     assert md[0].startswith("| trial | overrides | best m (max)") and "b **best**" in md[3]
     assert "ERROR: ValueError: lr must be >= 0" in md[4]
     assert best_row(table_rows(trials[2:3], "m", "max", 3), "max") is None
+    long = table_rows([{**trials[2], "error": "E" * 500}], "m", "max", 3)
+    assert "E" * 160 + "..." in render_markdown(long, "m", "max") and long[0]["error"] == "E" * 500
 
 
 def test_first_line_unwraps_a_ray_task_error():

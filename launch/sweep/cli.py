@@ -52,4 +52,4 @@ def main(argv: list[str] | None = None) -> int:
     print(out["table"])
     for kind, path in out["paths"].items():
         print(f"{kind}: {path}")
-    return 0
+    return 0 if out["best"] is not None else 1  # no trial reported the metric (all failed, or a wrong name)

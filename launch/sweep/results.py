@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-COLUMNS = ("trial", "overrides", "best", "best_step", "steps", "status", "error")
+ERROR_WIDTH = 160  # the printed table's cut of an error line (the CSV and JSON keep it whole)
 
 
 def first_line(error) -> str | None:
@@ -75,7 +75,8 @@ def render_markdown(rows: list[dict], metric: str, mode: str) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         mark = " **best**" if best is not None and r is best else ""
-        status = r["status"] + (f": {r['error']}" if r["error"] else "")
+        error = r["error"] if not r["error"] or len(r["error"]) <= ERROR_WIDTH else r["error"][:ERROR_WIDTH] + "..."
+        status = r["status"] + (f": {error}" if error else "")
         cells = [r["trial"] + mark, overrides_text(r["overrides"]), _fmt(r["best"]), _fmt(r["best_step"]),
                  str(r["steps"]), status.replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
