@@ -61,7 +61,7 @@ def sweep_spec(config, overrides, specs, sweep_dir, metric, mode, num_samples, s
 
 
 def prepare(spec: dict):
-    """Every check that needs no Ray; returns (dims, base config validated, its trial bundles per layout)."""
+    """Every check that needs no Ray; returns (dims, the config of the first values, validated)."""
     from hybridflow.config.load import is_valid_key
     from hybridflow.trainer.main import validate, validate_cluster
     from launch.sweep.resources import trial_bundles
@@ -76,13 +76,11 @@ def prepare(spec: dict):
     if len(layouts) > 1:
         raise ValueError("the swept values change a trial's pools (one placement group layout serves every trial): "
                          + "; ".join(f"{', '.join(p)} -> {b}" for b, p in layouts.items()))
-    if spec["metric"].startswith("val-"):
-        c = _load(spec["config"], [*spec["overrides"], *probes[0]])
-        if not (c.data.val_files and c.trainer.test_freq > 0):
-            raise ValueError(f"--metric {spec['metric']} is a validation metric, but the trials do not validate "
-                             f"during training: set data.val_files and trainer.test_freq > 0 (got "
-                             f"{c.data.val_files}, {c.trainer.test_freq})")
     cfg = _load(spec["config"], [*spec["overrides"], *probes[0]])
+    if spec["metric"].startswith("val-") and not (cfg.data.val_files and cfg.trainer.test_freq > 0):
+        raise ValueError(f"--metric {spec['metric']} is a validation metric, but the trials do not validate during "
+                         f"training: set data.val_files and trainer.test_freq > 0 (got {cfg.data.val_files}, "
+                         f"{cfg.trainer.test_freq})")
     validate(cfg)
     validate_cluster(cfg)
     return dims, cfg
