@@ -356,13 +356,14 @@ def _validate_reward_model(cfg: HybridFlowConfig, place, actor_hf: dict) -> None
         raise ValueError(f"reward_model.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must be >= 1")
 
 
-def make_pools(cfg: HybridFlowConfig, roles: list[str], place=None) -> dict:
+def make_pools(cfg: HybridFlowConfig, roles: list[str], place=None, reserved: dict | None = None) -> dict:
     """The ResourcePool of each role in `roles` (Placement: trainer.placement or trainer.resource_pools).
 
     Roles mapped to one pool share one ResourcePool, whose bundles hold one process of each group on it
     (max_colocate); the ref on the actor's pool is no group of its own (it runs in the actor's processes).
     Ray's CPUs are logical here (see build_and_run), so 4 standalone pools of 2 processes fit a 2-core box.
-    Pools reserve nothing until a group is built on them.
+    Pools reserve nothing until a group is built on them. `reserved`: {pool name: controller Reserved}, bundles
+    reserved by someone else that the pool uses instead (a sweep trial's; launch/sweep/resources.py).
     """
     from hybridflow.controller import ResourcePool
     from hybridflow.trainer import placement as P
@@ -374,12 +375,12 @@ def make_pools(cfg: HybridFlowConfig, roles: list[str], place=None) -> dict:
             raise ValueError(str(e)) from None
     groups = lambda pool: [r for r in place.roles_on(pool) if not (r == "ref" and place.shares_actor_pool("ref"))]
     pools = {name: ResourcePool(name, list(procs), max_colocate=max(1, len(groups(name))),
-                                timeout_s=cfg.trainer.ray.timeout_s)
+                                timeout_s=cfg.trainer.ray.timeout_s, reserved=(reserved or {}).get(name))
              for name, procs in place.pools.items()}
     return {role: pools[place.pool_of(role)] for role in roles}
 
 
-def build_groups(cfg: HybridFlowConfig, place=None, teardown=None) -> dict:
+def build_groups(cfg: HybridFlowConfig, place=None, teardown=None, reserved: dict | None = None) -> dict:
     """Every worker group the job needs, initialised: {"actor_rollout", "ref", "critic", "reward_model"}.
 
     The ref on the actor's pool is hosted by the actor group (role actor_rollout_ref) and "ref" is None;
@@ -406,7 +407,7 @@ def build_groups(cfg: HybridFlowConfig, place=None, teardown=None) -> dict:
         from megatron_workers.reward_model import RewardModelWorker
 
         specs["reward_model"] = (RewardModelWorker, (to_dict(cfg.reward_model),), "reward_model")
-    pools = make_pools(cfg, list(place.role_pools), place)
+    pools = make_pools(cfg, list(place.role_pools), place, reserved)
     log.info("%s: %s%s", place.source, ", ".join(f"{name} in pool '{pools[name].name}' {pools[name].procs_per_node}"
                                                  for name in specs),
              " (the ref in the actor's processes)" if actor_role == "actor_rollout_ref" else "")
@@ -485,10 +486,11 @@ def build_and_run(cfg: HybridFlowConfig, validated: bool = False, data: tuple | 
 
 
 @contextlib.contextmanager
-def trainer_session(cfg: HybridFlowConfig, validated: bool = False):
+def trainer_session(cfg: HybridFlowConfig, validated: bool = False, reserved: dict | None = None):
     """One attempt, no restarts: validate (unless `validated`), start Ray, build every worker group on its pool
     and yield a RayPPOTrainer ready to fit(); on leaving (normally, on an error, or on SIGTERM from `ray job stop`)
-    every worker group and placement group it made is taken down. launch.benchmark runs its steps in here."""
+    every worker group and placement group it made is taken down. launch.benchmark runs its steps in here, and
+    each launch.sweep trial, with `reserved` (make_pools) set to its pools' share of the trial's placement group."""
     from hybridflow.controller.teardown import Teardown, exit_on_sigterm
 
     parts = _prepare_run(cfg, validated)
@@ -496,7 +498,7 @@ def trainer_session(cfg: HybridFlowConfig, validated: bool = False):
     teardown = Teardown()
     with exit_on_sigterm():
         try:
-            yield _make_trainer(cfg, place, teardown, *parts)
+            yield _make_trainer(cfg, place, teardown, *parts, reserved=reserved)
         finally:
             teardown.close()
 
@@ -544,12 +546,12 @@ def _prepare_run(cfg: HybridFlowConfig, validated: bool, data: tuple | None = No
     return tokenizer, dataset, val_dataset, reward
 
 
-def _make_trainer(cfg: HybridFlowConfig, place, teardown, tokenizer, dataset, val_dataset, reward):
+def _make_trainer(cfg: HybridFlowConfig, place, teardown, tokenizer, dataset, val_dataset, reward, reserved=None):
     """Every worker group on its pool (told to `teardown` as made) and a RayPPOTrainer over them."""
     from hybridflow.data.sampler import ResumableSampler
     from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 
-    groups = build_groups(cfg, place, teardown)
+    groups = build_groups(cfg, place, teardown, reserved)
     sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed, shuffle=cfg.data.shuffle)
     trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
                             ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset)

@@ -105,6 +105,7 @@ class RayPPOTrainer:
         self.global_step = 0
         self.n_params = None
         self.on_resumed = None  # called with the step after resume (hybridflow/trainer/restart.py's log)
+        self.on_step = None  # called with (step, metrics) after each step is logged (a launch.sweep trial reports)
         self.last_saved: Path | None = None  # this run's newest committed checkpoint (a restart resumes it)
 
     # ---------------------------------------------------------------- data
@@ -398,6 +399,8 @@ class RayPPOTrainer:
                 if validating and V.should_validate(self.global_step, total, self.cfg.trainer.test_freq):
                     m.update(self.run_validation())  # logged with the step it validates, as verl does
                 tracker.log(m, self.global_step)
+                if self.on_step is not None:
+                    self.on_step(self.global_step, m)
                 history.append({"step": self.global_step, **m})
                 sf = self.cfg.trainer.save_freq
                 if sf > 0 and (self.global_step % sf == 0 or self.global_step == total):
