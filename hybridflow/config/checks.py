@@ -207,6 +207,11 @@ def reward_fn(c) -> None:
         raise ValueError(f"custom_reward_function.path={c.path!r} name={c.name!r}: {e}") from None
 
 
+def wants_validation(cfg) -> bool:
+    """Whether any validation is scheduled (before training, or every trainer.test_freq steps)."""
+    return cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+
+
 def data_files(cfg) -> tuple:
     """Read train (and, when validation is scheduled, val) files as the run will: columns, every row's prompt
     and ground truth, and prompt lengths against data.max_prompt_length / data.truncation. Costs a tokenizer
@@ -224,7 +229,7 @@ def data_files(cfg) -> tuple:
         tokenizer = AutoTokenizer.from_pretrained(m.tokenizer_path or m.path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{key}={m.tokenizer_path or m.path!r}: the tokenizer does not load ({e})") from None
-    validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+    validating = wants_validation(cfg)
     datasets = []
     for files in (cfg.data.train_files, cfg.data.val_files if validating else []):
         dataset = RLDataset.from_config(files, tokenizer, cfg.data) if files else None
