@@ -79,16 +79,24 @@ def free_port() -> int:
 
 
 def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 150) -> str:
-    """Run tests/mcore_scripts/<script> under torchrun; raises with the output tail when it fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(SCRIPTS / script), *args]
+    """Run tests/mcore_scripts/<script> under torchrun; raises with the output tail when it fails.
+
+    The rendezvous port is probed free and then bound by torchrun a moment later; another process can take it
+    in between (seen with several suites on one machine). Only that failure, EADDRINUSE at the rendezvous, is
+    retried on a fresh port; any other failure raises at once."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "Warning" not in ln and "warn" not in ln]
-        raise RuntimeError(f"{script} x{nproc} failed (rc={proc.returncode}):\n" + "\n".join(lines)[-6000:])
-    return proc.stdout
+    for attempt in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", str(SCRIPTS / script), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        if proc.returncode == 0:
+            return proc.stdout
+        out = proc.stdout + proc.stderr
+        if "EADDRINUSE" not in out or "server socket has failed to listen" not in out or attempt == 2:
+            break
+    lines = [ln for ln in out.splitlines() if "Warning" not in ln and "warn" not in ln]
+    raise RuntimeError(f"{script} x{nproc} failed (rc={proc.returncode}):\n" + "\n".join(lines)[-6000:])
 
 
 def hf_state(hf_dir) -> dict[str, torch.Tensor]:
