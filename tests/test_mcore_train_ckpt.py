@@ -53,10 +53,15 @@ def test_checkpoint_reloads_bit_exact_at_both_layouts(runs):
     assert _max_diff(saved["saved"], saved["step3_params"]) > 1e-4
 
 
+def _measured_out(metrics: dict) -> dict:
+    """The update's metrics without the worker's own timings and peak memory (actor/perf/*), which vary."""
+    return {k: v for k, v in metrics.items() if "/perf/" not in k}
+
+
 @pytest.mark.slow
 def test_same_layout_resume_continues_bit_exact(runs):
     saved, _, _ = runs
-    assert saved["step3_again"] == saved["step3"]
+    assert _measured_out(saved["step3_again"]) == _measured_out(saved["step3"])
     assert _max_diff(saved["step3_params"], saved["step3_again_params"]) == 0.0
 
 

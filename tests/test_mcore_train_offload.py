@@ -39,7 +39,8 @@ def test_forced_offload_frees_buffers_and_changes_nothing(result, suffix):
     # restored to the same sizes
     assert result[f"{off}_sizes"] == result[f"{plain}_sizes"]
     # training through offload/reload cycles is bit-identical
-    assert result[f"{off}_metrics2"] == result[f"{plain}_metrics2"]
+    drop = lambda m: {k: v for k, v in m.items() if "/perf/" not in k}  # the update's own timings and peak memory vary
+    assert drop(result[f"{off}_metrics2"]) == drop(result[f"{plain}_metrics2"])
     assert all(torch.equal(a, b) for a, b in zip(result[f"{plain}_params"], result[f"{off}_params"]))
     assert torch.equal(result[f"{plain}_lp"], result[f"{off}_lp"])
     assert torch.equal(result[f"{plain}_ref_lp"], result[f"{off}_ref_lp"])
