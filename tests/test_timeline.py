@@ -125,3 +125,15 @@ def test_merge_numbers_lanes_and_shifts_time():
         ("gen", 0, 0, 0.0, 50.0), ("reshard", 1, 0, 10.0, 5.0), ("generate", 1, 1, 16.0, 0.0)]
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert names == {0: "driver", 1: "actor rank 0", 2: "actor rank 1"}
+
+
+def test_plot_draws_every_lane(tmp_path):
+    from launch.plot_timeline import lanes_of, plot_timeline
+
+    driver = [{"ph": "X", "name": "gen", "ts": 0.0, "dur": 2e5, "pid": 1, "tid": 1},
+              {"ph": "X", "name": "not-a-stage", "ts": 0.0, "dur": 1.0, "pid": 1, "tid": 1}]
+    w = [{"ph": "X", "name": "reshard", "ts": 1e4, "dur": 3e4, "pid": 2, "tid": 2}]
+    trace = merge_traces(driver, [("actor", [w])], step=2)
+    assert lanes_of(trace) == [("driver", [("gen", 0.0, 0.2)]), ("actor rank 0", [("reshard", 0.01, 0.03)])]
+    png = plot_timeline(trace, tmp_path / "t.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
