@@ -137,3 +137,14 @@ def test_plot_draws_every_lane(tmp_path):
     assert lanes_of(trace) == [("driver", [("gen", 0.0, 0.2)]), ("actor rank 0", [("reshard", 0.01, 0.03)])]
     png = plot_timeline(trace, tmp_path / "t.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("steps", [[0], [2, -1], ["2"], [True], 3])
+def test_bad_timeline_steps_are_refused_naming_the_key(steps):
+    from hybridflow.config.schema import TrainerConfig
+    from hybridflow.trainer.timeline import check_timeline_keys
+
+    with pytest.raises(ValueError, match=r"trainer\.timeline_steps"):
+        check_timeline_keys(TrainerConfig(timeline_steps=steps, timeline_dir="t"))
+    check_timeline_keys(TrainerConfig(timeline_steps=[1, 5], timeline_dir="t"))  # good ones pass

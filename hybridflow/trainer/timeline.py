@@ -18,6 +18,18 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def check_timeline_keys(trainer_cfg) -> None:
+    """trainer.timeline_steps: positive step numbers (steps count from 1); refused before Ray starts."""
+    steps = trainer_cfg.timeline_steps
+    if not isinstance(steps, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                                                       for s in steps):
+        raise ValueError(f"trainer.timeline_steps={steps!r}: a list of step numbers >= 1 (steps count from 1)")
+    total = trainer_cfg.total_training_steps
+    if trainer_cfg.timeline_dir and total is not None and not any(s <= total for s in steps):
+        log.warning("trainer.timeline_steps=%s: none is <= trainer.total_training_steps=%d, so trainer.timeline_dir "
+                    "gets no file", list(steps), total)
+
+
 def merge_traces(driver: list[dict], workers: list[tuple[str, list[list[dict]]]], step: int) -> dict:
     """driver: the driver's events; workers: [(group name, [events of rank 0, rank 1, ...])]. -> trace dict."""
     lanes = [("driver", driver)] + [(f"{name} rank {r}", ev) for name, per_rank in workers
@@ -64,11 +76,15 @@ class StepTimeline:
         try:
             with torch.profiler.record_function("step"):
                 yield self
-        finally:
-            driver = prof.stop(self.quiet_to)
-            workers = [(g.role, g.profile_stop()) for g in self.groups]
-            path = self.write(merge_traces(driver, workers, step), step)
-            log.info("timeline of step %d: %s", step, path)
+        except BaseException:
+            # The step failed (a dead worker, ...): no file, and no call into groups that are being torn down,
+            # which would replace the step's error with its own. A restarted run's groups start unprofiled.
+            prof.stop(self.quiet_to)
+            raise
+        driver = prof.stop(self.quiet_to)
+        workers = [(g.role, g.profile_stop()) for g in self.groups]
+        path = self.write(merge_traces(driver, workers, step), step)
+        log.info("timeline of step %d: %s", step, path)
 
     def write(self, trace: dict, step: int) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
