@@ -21,10 +21,11 @@ import argparse
 import asyncio
 import os
 import shlex
-import socket
 import sys
 import time
 from urllib.parse import urlparse
+
+from launch.cluster.net import connect_within
 
 # Never uploaded: outputs, the venv, VCS data and caches (gitignore syntax, relative to the working dir).
 EXCLUDES = ["runs/", ".venv/", ".git/", "__pycache__/", "*.pyc", ".pytest_cache/", ".ruff_cache/", ".mypy_cache/",
@@ -80,10 +81,9 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
     if url.scheme not in ("http", "https") or not url.hostname:
         raise SubmitError(f"--address {address!r}: expected http://HOST:PORT (the dashboard, port 8265 by default)")
     port = url.port or 8265
-    try:
-        with socket.create_connection((url.hostname, port), timeout=timeout_s):
-            pass
-    except OSError as e:
+    # One try (refused at once is final): a submit to a wrong address should fail now, not after a retry loop.
+    e = connect_within(url.hostname, port, timeout_s, refused_s=0.0)
+    if e is not None:
         raise SubmitError(f"cannot reach the Ray dashboard at {address} ({url.hostname}:{port}): {e}. Is the "
                           "head started with --include-dashboard=true and a --dashboard-host this machine "
                           "can reach?") from None

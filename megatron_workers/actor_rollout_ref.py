@@ -25,12 +25,15 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
 from megatron_workers.engine import agg_count, as_config, build_role_engine, init_megatron, mesh_coords, micro_agg_mode
 from megatron_workers.offload import Offloader, make_offloader
+from megatron_workers.perf import UpdatePerf
 from megatron_workers.rollout_role import RolloutRole
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 MESH = "actor"
+# loss_fn metrics that are per-token means in every loss_agg_mode (masked_mean), not aggregated like the loss
+TOKEN_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "rollout_logprob_diff")
 
 
 def response_logprobs(logits: torch.Tensor, micro: dict, response_length: int, real_vocab_size: int,
@@ -106,7 +109,8 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
 
     # ------------------------------------------------------------------ log-probs
 
-    def _logprobs(self, engine, data: DataProto, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, engine, data: DataProto, micro_batch_size: int,
+                  max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         response_length = data.batch["responses"].shape[1]
         temperature = float(data.meta_info.get("temperature", self.config.rollout.temperature))
         batch = {k: data.batch[k] for k in ("input_ids", "attention_mask")}
@@ -115,7 +119,7 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
             lp, ent = response_logprobs(logits, micro, response_length, engine.hf_vocab_size, temperature)
             return {"log_prob": lp.float(), "entropy": ent.float()}
 
-        out = engine.forward_only(batch, micro_batch_size, post)
+        out = engine.forward_only(batch, micro_batch_size, post, max_tokens=max_tokens)
         return out["log_prob"], out["entropy"]
 
     @register(dispatch=Dispatch.DP_COMPUTE_PROTO, mesh=MESH)
@@ -123,20 +127,27 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
         """The current policy's log-probs and entropies of the responses: `old_log_probs`, `entropys`."""
         if self.actor is None:
             raise RuntimeError(f"compute_log_prob needs the actor; this worker's role is {self.role!r}")
+        r = self.config.rollout
+        budget = r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None
         with self.actor_offload.resident():
-            log_prob, entropy = self._logprobs(self.actor, data,
-                                               self.config.rollout.log_prob_micro_batch_size_per_gpu)
+            log_prob, entropy = self._logprobs(self.actor, data, r.log_prob_micro_batch_size_per_gpu, budget)
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
+        # perf/* in meta_info: the driver's step lifts it into the step's metrics (a key per stage, so the
+        # union of several stages' outputs into one batch never clashes).
         return DataProto.from_dict({"old_log_probs": log_prob, "entropys": entropy},
-                                   meta_info={"temperature": temperature})
+                                   meta_info={"temperature": temperature,
+                                              "perf/padding_fraction/old_log_prob": self.actor.padding_fraction})
 
     @register(dispatch=Dispatch.DP_COMPUTE_PROTO, mesh=MESH)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         if self.ref is None:
             raise RuntimeError(f"compute_ref_log_prob needs the ref model; this worker's role is {self.role!r}")
+        r = self.config.ref
+        budget = r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None
         with self.ref_offload.resident():
-            log_prob, _ = self._logprobs(self.ref, data, self.config.ref.log_prob_micro_batch_size_per_gpu)
-        return DataProto.from_dict({"ref_log_prob": log_prob})
+            log_prob, _ = self._logprobs(self.ref, data, r.log_prob_micro_batch_size_per_gpu, budget)
+        return DataProto.from_dict({"ref_log_prob": log_prob},
+                                   meta_info={"perf/padding_fraction/ref": self.ref.padding_fraction})
 
     # ------------------------------------------------------------------ training
 
@@ -200,17 +211,23 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
         count_fn = lambda micro: agg_count(micro, cfg.loss_agg_mode)
         _, sum_loss = micro_agg_mode(cfg.loss_agg_mode)
         selected = data.select(batch_keys=keys)
+        budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
         seed = int(data.meta_info.get("global_step", 0)) + self.config.actor.megatron.seed
         history: dict[str, list[float]] = {}
+        perf = UpdatePerf("actor", self.rank)
         with self.actor_offload.resident():
             for mb in selected.make_iterator(mini_batch, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, seed=seed):
-                metrics = self.actor.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn,
-                                                sum_loss=sum_loss)
+                metrics = perf.timed(lambda mb=mb: self.actor.train_step(
+                    mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn, sum_loss=sum_loss,
+                    max_tokens=budget, token_metrics=TOKEN_METRICS))
                 for k, v in metrics.items():
                     history.setdefault(k, []).append(v)
-        out = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}
+        skip = ("loss", "update_ok", "padding_fraction")
+        out = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if k not in skip}
+        out["perf/padding_fraction/update_actor"] = sum(history["padding_fraction"]) / len(history["padding_fraction"])
         out["actor/nonfinite_skipped"] = sum(history.get("nonfinite_skipped", []))  # a count, not a mean
         out["actor/num_updates"] = float(len(history.get("lr", [])))
+        out.update(perf.metrics())
         return DataProto(meta_info={"metrics": out})
 
     # ------------------------------------------------------------------ checkpoints / export

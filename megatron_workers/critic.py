@@ -23,6 +23,7 @@ from megatron_workers.engine import (
 )
 from megatron_workers.heads import response_values
 from megatron_workers.offload import make_offloader
+from megatron_workers.perf import UpdatePerf
 
 MESH = "critic"
 
@@ -60,9 +61,12 @@ class CriticWorker(Worker):
             return {"values": packed_response_values(output, micro, response_length).float()}
 
         batch = {k: data.batch[k] for k in ("input_ids", "attention_mask")}
+        cfg = self.config
+        budget = cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
         with self.offload.resident():
-            out = self.engine.forward_only(batch, self.config.ppo_micro_batch_size_per_gpu, post)
-        return DataProto.from_dict({"values": out["values"] * mask.to(out["values"].dtype)})
+            out = self.engine.forward_only(batch, cfg.ppo_micro_batch_size_per_gpu, post, max_tokens=budget)
+        return DataProto.from_dict({"values": out["values"] * mask.to(out["values"].dtype)},
+                                   meta_info={"perf/padding_fraction/values": self.engine.padding_fraction})
 
     @register(dispatch=Dispatch.DP_COMPUTE_PROTO, mesh=MESH)
     def update_critic(self, data: DataProto) -> DataProto:
@@ -96,18 +100,24 @@ class CriticWorker(Worker):
             return vf_loss, {"vf_loss": vf_loss.detach(), "vf_clipfrac": clipfrac.detach(), "vpred_mean": vpred_mean}
 
         count_fn = lambda micro: agg_count(micro, cfg.loss_agg_mode)
+        budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
         seed = int(data.meta_info.get("global_step", 0)) + cfg.megatron.seed
         history: dict[str, list[float]] = {}
         batches = data.select(batch_keys=keys).make_iterator(rows // self.dims.dp, epochs=cfg.ppo_epochs,
                                                              shuffle=False, seed=seed)
+        perf = UpdatePerf("critic", self.rank)
         with self.offload.resident():
             for mb in batches:
-                metrics = self.engine.train_step(mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn,
-                                                 sum_loss=sum_loss)
+                metrics = perf.timed(lambda mb=mb: self.engine.train_step(
+                    mb.batch, cfg.ppo_micro_batch_size_per_gpu, loss_fn, count_fn, sum_loss=sum_loss,
+                    max_tokens=budget, token_metrics=("vf_clipfrac", "vpred_mean")))
                 for k, v in metrics.items():
                     history.setdefault(k, []).append(v)
-        out = {f"critic/{k}": sum(v) / len(v) for k, v in history.items() if k not in ("loss", "update_ok")}
+        skip = ("loss", "update_ok", "padding_fraction")
+        out = {f"critic/{k}": sum(v) / len(v) for k, v in history.items() if k not in skip}
+        out["perf/padding_fraction/update_critic"] = sum(history["padding_fraction"]) / len(history["padding_fraction"])
         out["critic/nonfinite_skipped"] = sum(history.get("nonfinite_skipped", []))  # a count, not a mean
+        out.update(perf.metrics())
         return DataProto(meta_info={"metrics": out})
 
     @register(dispatch=Dispatch.ONE_TO_ALL)

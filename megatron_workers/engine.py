@@ -9,15 +9,34 @@ last pipeline stage only; the engine brings their results to every rank of
 the pipeline.
 
 Padding. Batches arrive as padded rectangles (prompts left-padded, responses
-right-padded). The engine moves each row's valid tokens to the front
-(`logprob.left_justify`) and trims the common right padding, so the model
+right-padded). Each micro-batch moves its rows' valid tokens to the front
+(`logprob.left_justify`) and is trimmed to its own longest row, so the model
 runs with plain causal attention and positions 0..L-1, exactly what HF gets
 from position_ids = cumsum(attention_mask) - 1 (megatron's RoPE takes no
 position ids). Padding then sits after every valid token and is never
-attended to. The whole batch is packed at once, so every micro-batch has the
-same width, which megatron's pipeline p2p needs. The closures see the packed
-output plus `packed_mask` / `pack_index` in the micro-batch; `unpack_tokens`
-and `logprob.unpack_next_token` map values back to the original columns.
+attended to. Under PP with fixed micro-batches the whole batch is packed to
+one width instead (pipeline p2p of equal shapes, as before); with token-budget
+micro-batches under PP, megatron's `variable_seq_lengths` sends each shape
+first. The closures see the packed output plus `packed_mask` / `pack_index`
+in the micro-batch, whose original tensors keep the batch's full width;
+`unpack_tokens` and `logprob.unpack_next_token` map values back to the
+original columns. `padding_fraction` (per call) is the share of computed
+token slots that were padding, over all DP ranks.
+
+Micro-batches. Fixed (`micro_batch_size` rows each) or, with `max_tokens`,
+token-budget ones (verl's use_dynamic_bsz; hybridflow/data/token_budget.py):
+rows grouped so each micro-batch's valid tokens fit the budget, results put
+back in the original row order. In train_step every DP rank runs the same
+number of micro-batches (the max over DP, by splitting micro-batches, never
+empty ones). With megatron's DDP as wired here this is not needed for the
+sum itself: gradients are reduced once, after the last micro-batch (no_sync
+before it, overlapped or not), and each rank's loss is scaled by its own
+count. It is kept because it is cheap (one int all-reduce per update) and it
+keeps one schedule on every rank: a collective ever added per micro-batch
+(inside a loss closure, or an MoE/aux-loss reduction) would otherwise hang
+on the rank that has fewer, and a rank that finishes early only waits at the
+gradient all-reduce anyway. Within a pipeline the stages always agree: they
+pack the same rows the same way.
 
 Loss normalisation is global over the mini-batch: a micro-batch's loss is
 weighted by its share of the mini-batch's tokens (or non-empty sequences),
@@ -37,6 +56,13 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller import fault_inject
+from hybridflow.data.token_budget import (
+    fixed_micro_batches,
+    inverse_permutation,
+    micro_batches_needed,
+    pack_by_token_budget,
+    padding_fraction,
+)
 from megatron_workers.logprob import left_justify
 from megatron_workers.nonfinite import NonFiniteGuard
 from megatron_workers.profiling import ScheduleRanges
@@ -92,11 +118,6 @@ def micro_agg_mode(loss_agg_mode: str) -> tuple[str, bool]:
     return loss_agg_mode, False
 
 
-def split_micro_batches(batch: dict, micro_batch_size: int) -> list[dict]:
-    n = _batch_size(batch)
-    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]
-
-
 def _unwrap(chunk):
     while hasattr(chunk, "module"):
         chunk = chunk.module
@@ -119,6 +140,9 @@ class MegatronEngine:
         from megatron.core.utils import get_model_config
 
         self.transformer_impl = "local"  # build_role_engine records the resolved choice
+        # Each micro-batch at its own longest row (False: the whole batch's width; tests compare the two).
+        self.trim_micro_batches = True
+        self.padding_fraction = 0.0  # of the last forward_only call (train_step returns its own)
         self.model = list(model)  # model chunks: one, or one per virtual pipeline stage (interleaved schedule)
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -164,19 +188,62 @@ class MegatronEngine:
         packed_ids, packed_mask, index = left_justify(batch["input_ids"], batch["attention_mask"], multiple)
         return {**batch, "packed_input_ids": packed_ids, "packed_mask": packed_mask, "pack_index": index}
 
+    def _micro_batches(self, batch: dict, micro_batch_size: int, max_tokens: int | None,
+                       same_count_over_dp: bool) -> tuple[list[dict], list[int]]:
+        """(packed micro-batches, the batch rows they hold, concatenated in their order).
+
+        max_tokens None: fixed groups of micro_batch_size consecutive rows; else token-budget groups
+        (the count made equal over DP when same_count_over_dp). Each micro-batch is trimmed to its own
+        longest row, except fixed micro-batches under PP, which share the batch's width (equal p2p shapes).
+        """
+        for key in ("input_ids", "attention_mask"):
+            if key not in batch:
+                raise KeyError(f"batch has no {key!r} (keys: {sorted(batch)})")
+        n = _batch_size(batch)
+        if max_tokens is None:
+            groups = fixed_micro_batches(n, micro_batch_size)
+        else:
+            lengths = batch["attention_mask"].bool().sum(dim=-1).tolist()
+            count = micro_batches_needed(lengths, max_tokens)
+            if same_count_over_dp and self.dp_size > 1:
+                t = torch.tensor([count], dtype=torch.int64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+                count = int(t)
+            groups = pack_by_token_budget(lengths, max_tokens, min_micro_batches=count)
+        per_micro = self.trim_micro_batches and (self.pp_size == 1 or max_tokens is not None)
+        whole = None if per_micro else self._pack(batch)
+        micro_batches = []
+        for rows in groups:
+            if len(groups) == 1:
+                micro = dict(batch) if whole is None else whole
+            else:
+                idx = torch.tensor(rows, dtype=torch.long)
+                micro = {k: v[idx] for k, v in (batch if whole is None else whole).items()}
+            micro_batches.append(self._pack(micro) if whole is None else micro)
+        return micro_batches, [i for rows in groups for i in rows]
+
+    def _padding_fraction(self, micro_batches: list[dict]) -> float:
+        """Padding share of the token slots these micro-batches compute, summed over the DP ranks."""
+        t = torch.tensor([sum(int(m["packed_mask"].sum()) for m in micro_batches),
+                          sum(m["packed_input_ids"].numel() for m in micro_batches)], dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return padding_fraction(float(t[0]), float(t[1]))
+
     def _run(self, micro_batches: list[dict], forward_only: bool, make_loss: Callable) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs, width = micro_batches[0]["packed_input_ids"].shape
-        if self.pp_size > 1 and any(m["packed_input_ids"].shape != (mbs, width) for m in micro_batches):
-            shapes = [tuple(m["packed_input_ids"].shape) for m in micro_batches]
-            raise ValueError(f"pipeline parallel needs equal micro-batch shapes, got {shapes}")
+        shapes = {tuple(m["packed_input_ids"].shape) for m in micro_batches}
+        mbs, width = max(b for b, _ in shapes), max(w for _, w in shapes)
+        # Under PP the stages exchange activations of each micro-batch's shape: with one shape the schedule
+        # knows it; with several (token-budget micro-batches) megatron sends each shape before the tensor.
+        variable = self.pp_size > 1 and len(shapes) > 1
         device = next(self.model[0].parameters()).device
-        positions = torch.arange(width, device=device).unsqueeze(0)
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
             ids = micro["packed_input_ids"].to(device)
+            positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
             # attention_mask=None: plain causal attention, padding is behind every valid token.
             output = model(ids, positions.expand_as(ids), None)
             return output, partial(make_loss, micro)
@@ -186,15 +253,20 @@ class MegatronEngine:
                              f"micro-batches, got {len(micro_batches)} (the callers pad)")
         # The interleaved schedule takes one iterator per chunk; each chunk walks the micro-batches in order.
         data = iter(micro_batches) if self.vpp_size == 1 else [iter(micro_batches) for _ in self.model]
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=data,
-            model=self.model,
-            num_microbatches=len(micro_batches),
-            seq_length=width,
-            micro_batch_size=mbs,
-            forward_only=forward_only,
-        )
+        saved = self.config.variable_seq_lengths
+        self.config.variable_seq_lengths = saved or variable
+        try:
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=data,
+                model=self.model,
+                num_microbatches=len(micro_batches),
+                seq_length=width,
+                micro_batch_size=mbs,
+                forward_only=forward_only,
+            )
+        finally:
+            self.config.variable_seq_lengths = saved
 
     def _interleave_padding(self, num_micro: int) -> int:
         """Micro-batches to add so megatron 0.16's interleaved schedule accepts the count: it runs them in
@@ -213,58 +285,77 @@ class MegatronEngine:
     # ------------------------------------------------------------------ public
 
     @torch.no_grad()
-    def forward_only(self, batch: dict, micro_batch_size: int, post_fn: PostFn) -> dict[str, torch.Tensor]:
-        """Run the model over `batch` in micro-batches; returns post_fn's outputs concatenated, on every rank."""
+    def forward_only(self, batch: dict, micro_batch_size: int, post_fn: PostFn,
+                     max_tokens: int | None = None) -> dict[str, torch.Tensor]:
+        """Run the model over `batch` in micro-batches; returns post_fn's outputs concatenated, on every rank.
+
+        max_tokens: token-budget micro-batches (micro_batch_size is then not used); rows come back in
+        the batch's order either way. Sets self.padding_fraction.
+        """
         n = _batch_size(batch)
         if n == 0:
             raise ValueError("forward_only got an empty batch")
         micro_batch_size = min(micro_batch_size, n)
-        batch = self._pack(batch)
-        # Pipeline p2p needs equal shapes: pad the last micro-batch by repeating its last row. The interleaved
-        # schedule also needs a multiple of pp micro-batches: pad with whole micro-batches of repeated rows.
-        pad_rows = (-n) % micro_batch_size if self.pp_size > 1 else 0
-        pad_rows += self._interleave_padding((n + pad_rows) // micro_batch_size) * micro_batch_size
-        if pad_rows:
-            batch = {k: torch.cat([v, v[-1:].expand(pad_rows, *v.shape[1:])]) for k, v in batch.items()}
+        if max_tokens is None and self.pp_size > 1:
+            # Pipeline p2p needs equal shapes: pad the last micro-batch by repeating the batch's last row.
+            pad_rows = (-n) % micro_batch_size
+            if pad_rows:
+                batch = {k: torch.cat([v, v[-1:].expand(pad_rows, *v.shape[1:])]) for k, v in batch.items()}
+        micro_batches, order = self._micro_batches(batch, micro_batch_size, max_tokens, same_count_over_dp=False)
+        self.padding_fraction = self._padding_fraction(micro_batches)
+        # The interleaved schedule needs a multiple of pp micro-batches: repeat the last one; outputs dropped.
+        micro_batches += [{**micro_batches[-1], "_padding": True}
+                          for _ in range(self._interleave_padding(len(micro_batches)))]
         outputs: list[dict] = []
 
         def make_loss(micro, output):
-            outputs.append({k: v.detach() for k, v in post_fn(output, micro).items()})
+            if not micro.get("_padding"):
+                outputs.append({k: v.detach() for k, v in post_fn(output, micro).items()})
             return torch.zeros((), device=output.device), {}
 
         for chunk in self.model:
             chunk.eval()
-        self._run(split_micro_batches(batch, micro_batch_size), forward_only=True, make_loss=make_loss)
+        self._run(micro_batches, forward_only=True, make_loss=make_loss)
         result = None
         if self.is_last_stage:
-            result = {k: torch.cat([o[k] for o in outputs])[:n].cpu() for k in outputs[0]}
+            back = torch.tensor(inverse_permutation(order), dtype=torch.long)
+            result = {k: torch.cat([o[k] for o in outputs]).cpu()[back][:n] for k in outputs[0]}
         return self._broadcast_from_last_stage(result)
 
     def train_step(self, batch: dict, micro_batch_size: int, loss_fn: LossFn,
-                   count_fn: Callable[[dict], torch.Tensor], sum_loss: bool = False) -> dict[str, float]:
+                   count_fn: Callable[[dict], torch.Tensor], sum_loss: bool = False,
+                   max_tokens: int | None = None, token_metrics: tuple[str, ...] = ()) -> dict[str, float]:
         """One optimizer update on this rank's share of a mini-batch.
 
         loss_fn(output, micro) -> (loss, metrics): the micro-batch's loss, aggregated over the
         micro-batch the way count_fn counts (see agg_count), and scalar metrics aggregated the same way.
         sum_loss: the loss to optimise is the sum, not the mean, over the counted units (token-sum,
         see micro_agg_mode); the gradient is scaled by the global count, the metrics stay means.
+        max_tokens: token-budget micro-batches (micro_batch_size is then not used). The grouping does not
+        change the loss or its gradient: each micro-batch is weighted by count_fn(micro) / the global count.
+        token_metrics: metrics that are per-token means whatever the loss mode (clip fractions, KL(old||new)):
+        weighted by the micro-batch's share of the valid response tokens instead, so under a seq-mean mode
+        they do not depend on the grouping either.
         Returns the mini-batch metrics (weighted like the loss's mean, over all DP ranks), plus
-        `grad_norm` and `lr` (the lr this update used). Same dict on every rank.
+        `grad_norm`, `lr` (the lr this update used) and `padding_fraction`. Same dict on every rank.
         """
         if self.optimizer is None:
             raise RuntimeError("train_step on an engine without an optimizer (a forward-only role?)")
         n = _batch_size(batch)
         # A micro-batch larger than this rank's mini-batch share means "the whole share in one pass".
         micro_batch_size = min(micro_batch_size, n) if n else micro_batch_size
-        if n == 0 or n % micro_batch_size:
+        if n == 0 or (max_tokens is None and n % micro_batch_size):
             raise ValueError(f"train_step: batch size {n} must be a positive multiple of micro_batch_size "
                              f"{micro_batch_size}")
-        micro_batches = split_micro_batches(self._pack(batch), micro_batch_size)
+        micro_batches, _ = self._micro_batches(batch, micro_batch_size, max_tokens, same_count_over_dp=True)
         num_micro = len(micro_batches)
+        padding = self._padding_fraction(micro_batches)
         # Global normaliser: the tokens (or sequences) of the whole mini-batch over all DP ranks.
-        total = torch.stack([count_fn(m) for m in micro_batches]).sum().to(torch.float64)
-        dist.all_reduce(total, group=self.dp_group)
-        total = total.clamp(min=1.0)
+        token_count = lambda m: agg_count(m, "token-mean") if token_metrics else torch.zeros((), dtype=torch.float64)
+        totals = torch.stack([torch.stack([count_fn(m).to(torch.float64), token_count(m)])
+                              for m in micro_batches]).sum(dim=0)
+        dist.all_reduce(totals, group=self.dp_group)
+        total, tokens = totals.clamp(min=1.0)
         loss_scale = float(total) if sum_loss else 1.0
         sums: dict[str, torch.Tensor] = {}
         # The interleaved schedule takes a multiple of pp micro-batches: repeat the last one as padding
@@ -280,9 +371,11 @@ class MegatronEngine:
             if fault_inject.nan_requested():  # tests: a NaN loss exactly where HYBRIDFLOW_FAULT says
                 loss = loss * float("nan")
             weight = (count_fn(micro) / total).to(loss.dtype)
+            token_weight = token_count(micro) / tokens
             for k, v in {"loss": loss, **metrics}.items():
                 # Clone/detach: the schedule divides the returned loss in place.
-                value = (torch.as_tensor(v).detach().to(torch.float64) * weight.double()).cpu()
+                w = token_weight if k in token_metrics else weight.double()
+                value = (torch.as_tensor(v).detach().to(torch.float64) * w).cpu()
                 sums[k] = sums.get(k, 0.0) + value
             # Undo the schedule's 1/num_microbatches and DDP's 1/dp average: the weights already sum to 1.
             return loss * weight * (num_micro * self.dp_size * loss_scale), {}
@@ -315,6 +408,8 @@ class MegatronEngine:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = lr
         metrics["update_ok"] = float(bool(update_ok))
+        metrics["padding_fraction"] = padding
+        metrics["num_micro_batches"] = float(num_micro)  # what ran, token-budget packing and DP max included
         metrics["nonfinite_skipped"] = float(not update_ok)  # ours, or megatron's fp16 found_inf
         return metrics
 

@@ -44,6 +44,9 @@ class RewardModelWorker(Worker):
             return {"rm_scores": last_token_scores(scores, micro["attention_mask"], response_length).float()}
 
         batch = {k: data.batch[k] for k in ("input_ids", "attention_mask")}
+        cfg = self.config
+        budget = cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
         with self.offload.resident():
-            out = self.engine.forward_only(batch, self.config.micro_batch_size_per_gpu, post)
-        return DataProto.from_dict({"rm_scores": out["rm_scores"]})
+            out = self.engine.forward_only(batch, cfg.micro_batch_size_per_gpu, post, max_tokens=budget)
+        return DataProto.from_dict({"rm_scores": out["rm_scores"]},
+                                   meta_info={"perf/padding_fraction/rm": self.engine.padding_fraction})

@@ -33,6 +33,7 @@ REQUIRED = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
     "response_length/mean", "response_length/max", "response_length/clip_ratio",
     "rollout/logprob_diff_mean",
+    *(f"perf/padding_fraction/{stage}" for stage in ("ref", "values", "update_critic", "update_actor")),
 ]
 
 
@@ -58,14 +59,20 @@ def _cmd(cfg: str, run_dir: Path, *overrides: str) -> list[str]:
 
 
 def _kill_tree(proc: subprocess.Popen, marker: str) -> None:
+    # Every descendant, taken before the kill: a SIGKILLed worker's multiprocessing children (resource tracker,
+    # spawn workers) carry neither the process group nor the marker, and would idle on, orphaned, otherwise.
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait(timeout=60)
-    for p in psutil.process_iter(["cmdline"]):  # Ray daemons that left the process group
+    for p in [*tree, *psutil.process_iter(["cmdline"])]:  # + Ray daemons that left the process group
         try:
-            if any(marker in a for a in p.info["cmdline"] or []):
+            if p in tree or any(marker in a for a in p.cmdline() or []):
                 p.kill()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass

@@ -85,7 +85,7 @@ def test_nonfinite_guard_names_the_tensor_and_counts_the_streak():
                                              ("fault.detect_timeout_s", math.nan, "detect_timeout_s=nan must be")])
 def test_bad_fault_settings_name_the_key(key, value, error):
     from hybridflow.config.schema import HybridFlowConfig
-    from hybridflow.trainer.main import _validate_fault
+    from hybridflow.trainer.preflight import _validate_fault
 
     cfg = HybridFlowConfig()
     target, _, leaf = f"trainer.{key}".rpartition(".")

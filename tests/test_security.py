@@ -79,14 +79,28 @@ def _ray_listeners() -> tuple[list, list]:
     return listening, [" ".join(_cmdline(p)) for p in procs]
 
 
+def _is_loopback(ip: str) -> bool:
+    import ipaddress
+
+    addr = ipaddress.ip_address(ip)
+    mapped = getattr(addr, "ipv4_mapped", None)  # the gRPC servers report 127.0.0.1 as ::ffff:127.0.0.1
+    return addr.is_loopback or bool(mapped and mapped.is_loopback)
+
+
 def _exposed(listening: list) -> list:
-    return [s for s in listening if not (s[1].startswith("127.") or s[1] == "::1")]
+    return [s for s in listening if not _is_loopback(s[1])]
+
+
+def _gcs_call(host: str, port: int):
+    import grpc
+
+    return grpc.insecure_channel(f"{host}:{port}").unary_unary(
+        "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo", request_serializer=lambda _: b"",
+        response_deserializer=lambda b: b)
 
 
 def test_local_ray_has_no_dashboard_and_refuses_callers_without_its_token(ray_cluster):
     """The shared test cluster is started by hybridflow.controller.init_ray, as the trainer starts its own."""
-    import socket
-
     import grpc
 
     listening, cmdlines = _ray_listeners()
@@ -94,28 +108,34 @@ def test_local_ray_has_no_dashboard_and_refuses_callers_without_its_token(ray_cl
     assert not [c for c in cmdlines if "dashboard/dashboard.py" in c and "--host=127.0.0.1" not in c]
     assert not [s for s in listening if s[2] == 8265], "the dashboard UI is up"
     assert os.environ.get("RAY_AUTH_MODE") == "token"
-    # Ray's gRPC servers listen on every interface (below); a caller from outside without the cluster's
-    # token gets UNAUTHENTICATED, not an answer.
-    ip = next(a.address for name, addrs in psutil.net_if_addrs().items() if name != "lo" for a in addrs
-              if a.family == socket.AF_INET)
+    # A local caller without the cluster's token gets UNAUTHENTICATED, not an answer.
     gcs = next(port for name, _, port in listening if name == "gcs_server")
-    call = grpc.insecure_channel(f"{ip}:{gcs}").unary_unary(
-        "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo", request_serializer=lambda _: b"",
-        response_deserializer=lambda b: b)
     with pytest.raises(grpc.RpcError) as refused:
-        call(None, timeout=10)
+        _gcs_call("127.0.0.1", gcs)(None, timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    print(f"\n{len(listening)} listening sockets of the Ray processes, {len(_exposed(listening))} not on loopback; "
-          f"the GCS at {ip}:{gcs} refused a call without the token")
+    print(f"\n{len(listening)} listening sockets of the Ray processes; the GCS at 127.0.0.1:{gcs} refused a call "
+          "without the token")
 
 
-@pytest.mark.xfail(strict=True, reason="Ray 2.60's C++ gRPC servers (GCS, raylet, core workers) bind '::' and its "
-                   "metrics exporters 0.0.0.0 with no setting to change it; token auth guards the gRPC ports (test "
-                   "above). strict: this starts failing, loudly, the day Ray can do it")
 def test_local_ray_listens_on_loopback_only(ray_cluster):
+    """Every socket of the local cluster (GCS, raylet, core workers, agents, metrics exporters) is on loopback,
+    and the GCS port cannot be reached on the machine's own address."""
+    import socket
+
+    import grpc
+
     listening, _ = _ray_listeners()
-    assert listening
+    names = {name for name, _, _ in listening}
+    assert {"gcs_server", "raylet"} <= names, names
     assert not _exposed(listening), f"Ray sockets not on loopback: {_exposed(listening)}"
+    ips = [a.address for name, addrs in psutil.net_if_addrs().items() if name != "lo" for a in addrs
+           if a.family == socket.AF_INET]
+    gcs = next(port for name, _, port in listening if name == "gcs_server")
+    for ip in ips:
+        with pytest.raises(grpc.RpcError) as unreachable:
+            _gcs_call(ip, gcs)(None, timeout=10)
+        assert unreachable.value.code() == grpc.StatusCode.UNAVAILABLE, (ip, unreachable.value)
+    print(f"\n{len(listening)} listening sockets, all on loopback; GCS port {gcs} unreachable on {ips}")
 
 
 def _cmdline(p) -> list[str]:

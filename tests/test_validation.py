@@ -138,7 +138,7 @@ def test_new_keys_load_and_a_typo_names_the_nearest():
     ({"actor_rollout_ref.rollout.val_kwargs.top_p": 0}, ValueError, r"val_kwargs.top_p=0.0 must be in \(0, 1\]"),
 ])
 def test_config_errors_name_the_key(overrides, error, message):
-    from hybridflow.trainer.main import _validate_validation
+    from hybridflow.trainer.preflight import _validate_validation
 
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     with pytest.raises(error, match=message):

@@ -117,9 +117,11 @@ def counts(cfg, keys: tuple[str, ...]) -> None:
             raise ValueError(f"{key}={value} must be an integer >= 1")
 
 
-def update_batches(role: str, mini: int, micro: int, n: int, dp: int, train_batch_size: int) -> None:
+def update_batches(role: str, mini: int, micro: int, n: int, dp: int, train_batch_size: int,
+                   dynamic: bool = False) -> None:
     """How the workers cut one step's rows: each mini-batch of `mini` prompts (mini * n rows) is split over the
-    dp ranks, and each rank's share into micro-batches of `micro` rows (the last one may not be short)."""
+    dp ranks, and each rank's share into micro-batches of `micro` rows (the last one may not be short).
+    dynamic: micro-batches are cut by tokens ({role}.use_dynamic_bsz), so `micro` is not used (as in verl)."""
     if mini > train_batch_size or train_batch_size % mini:
         raise ValueError(f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_batch_size}")
     rows = mini * n
@@ -127,7 +129,7 @@ def update_batches(role: str, mini: int, micro: int, n: int, dp: int, train_batc
         raise ValueError(f"{role}.ppo_mini_batch_size * actor_rollout_ref.rollout.n = {mini}*{n} = {rows} rows per "
                          f"mini-batch is not divisible by the {role.split('.')[-1]} dp size {dp}")
     per_rank = rows // dp
-    if per_rank % min(micro, per_rank):
+    if not dynamic and per_rank % min(micro, per_rank):
         raise ValueError(f"{role}.ppo_micro_batch_size_per_gpu={micro} does not divide the {per_rank} rows each "
                          f"of the {dp} dp ranks gets per mini-batch ({role}.ppo_mini_batch_size={mini} * rollout.n="
                          f"{n} / dp {dp})")
@@ -164,6 +166,22 @@ def trainer_keys(t) -> None:
         raise ValueError(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be >= 1 (or null: keep all)")
     if not _finite(t.ray.timeout_s) or t.ray.timeout_s <= 0:
         raise ValueError(f"trainer.ray.timeout_s={t.ray.timeout_s} must be > 0 (every blocking wait is bounded)")
+    prometheus(t)
+
+
+def prometheus(t) -> None:
+    """trainer.prometheus, checked whether or not the logger is on (a typo should not wait for the day it is)."""
+    from hybridflow.trainer.prometheus import MODES
+
+    p = t.prometheus
+    if p.mode not in MODES:
+        raise ValueError(f"trainer.prometheus.mode={p.mode!r}: choose from {list(MODES)}")
+    if not isinstance(p.port, int) or isinstance(p.port, bool) or not 0 <= p.port <= 65535:
+        raise ValueError(f"trainer.prometheus.port={p.port!r} must be a port number 0-65535 (0: a free one)")
+    if not _finite(p.linger_s) or p.linger_s < 0:
+        raise ValueError(f"trainer.prometheus.linger_s={p.linger_s!r} must be >= 0 seconds")
+    if not isinstance(p.host, str) or not p.host:
+        raise ValueError(f"trainer.prometheus.host={p.host!r} must be an address to bind (127.0.0.1: loopback)")
 
 
 def resume(cfg) -> None:
@@ -189,6 +207,11 @@ def reward_fn(c) -> None:
         raise ValueError(f"custom_reward_function.path={c.path!r} name={c.name!r}: {e}") from None
 
 
+def wants_validation(cfg) -> bool:
+    """Whether any validation is scheduled (before training, or every trainer.test_freq steps)."""
+    return cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+
+
 def data_files(cfg) -> tuple:
     """Read train (and, when validation is scheduled, val) files as the run will: columns, every row's prompt
     and ground truth, and prompt lengths against data.max_prompt_length / data.truncation. Costs a tokenizer
@@ -206,7 +229,7 @@ def data_files(cfg) -> tuple:
         tokenizer = AutoTokenizer.from_pretrained(m.tokenizer_path or m.path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{key}={m.tokenizer_path or m.path!r}: the tokenizer does not load ({e})") from None
-    validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+    validating = wants_validation(cfg)
     datasets = []
     for files in (cfg.data.train_files, cfg.data.val_files if validating else []):
         dataset = RLDataset.from_config(files, tokenizer, cfg.data) if files else None
@@ -231,3 +254,43 @@ def _scorers_exist(cfg, dataset) -> None:
         raise ValueError(f"data file {file!r} row {row}: data_source {unknown[0]['data_source']!r} has no rule "
                          f"scorer ({len(unknown)} rows, sources {sources[:5]}; known: {sorted(BUILTIN_SCORERS)}); "
                          "set custom_reward_function.path, or reward_model.enable=true")
+
+
+def token_budgets(cfg) -> None:
+    """Each pass with token-budget micro-batches (verl's use_dynamic_bsz) has a budget that holds the longest
+    row the run can make: data.max_prompt_length + actor_rollout_ref.rollout.response_length valid tokens.
+
+    A flag on with no usable budget (null, 0, negative, not an integer) contradicts itself and is refused
+    naming both keys; verl ignores a budget while its flag is off, and so does this check. The
+    *_micro_batch_size_per_gpu keys are not used while a flag is on (verl's rule), so setting both is allowed:
+    verl's own scripts do (tests/data/verl_overrides).
+    """
+    a = cfg.actor_rollout_ref
+    longest = cfg.data.max_prompt_length + a.rollout.response_length
+    passes = [("actor_rollout_ref.actor.use_dynamic_bsz", a.actor.use_dynamic_bsz,
+               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", a.actor.ppo_max_token_len_per_gpu),
+              ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", a.rollout.log_prob_use_dynamic_bsz,
+               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", a.rollout.log_prob_max_token_len_per_gpu),
+              ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", a.ref.log_prob_use_dynamic_bsz,
+               "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", a.ref.log_prob_max_token_len_per_gpu)]
+    if cfg.critic.enable:
+        c = cfg.critic
+        passes += [("critic.use_dynamic_bsz", c.use_dynamic_bsz, "critic.ppo_max_token_len_per_gpu",
+                    c.ppo_max_token_len_per_gpu),
+                   ("critic.use_dynamic_bsz", c.use_dynamic_bsz, "critic.forward_max_token_len_per_gpu",
+                    c.forward_max_token_len_per_gpu)]
+    if cfg.reward_model.enable:
+        passes.append(("reward_model.use_dynamic_bsz", cfg.reward_model.use_dynamic_bsz,
+                       "reward_model.forward_max_token_len_per_gpu", cfg.reward_model.forward_max_token_len_per_gpu))
+    for flag, on, key, budget in passes:
+        if not on:
+            continue
+        if not _is_count(budget):
+            raise ValueError(f"{key}={budget!r} contradicts {flag}=true: token-budget micro-batches need a "
+                             f"positive token count per micro-batch (at least {longest}, see below); set {key} or "
+                             f"{flag}=false to cut micro-batches by rows")
+        if budget < longest:
+            raise ValueError(f"{key}={budget} is smaller than the longest row the run can make: "
+                             f"data.max_prompt_length + actor_rollout_ref.rollout.response_length = "
+                             f"{cfg.data.max_prompt_length} + {a.rollout.response_length} = {longest} tokens; "
+                             f"a row never splits over micro-batches, so set {key} >= {longest}")

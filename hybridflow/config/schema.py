@@ -85,6 +85,12 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = 8  # in prompts, before rollout.n
     ppo_micro_batch_size_per_gpu: int = 4
+    # verl's dynamic batch size: update micro-batches packed by tokens (prompt + response, valid only) up to
+    # ppo_max_token_len_per_gpu each, instead of ppo_micro_batch_size_per_gpu rows; the loss is unchanged
+    # (normalised over the whole mini-batch). The budget must hold the longest allowed row (checked at config
+    # time). ref / rollout log_prob_use_dynamic_bsz and the critic's use_dynamic_bsz follow it unless set.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int | None = 16384
     ppo_epochs: int = 1
     shuffle: bool = False
     clip_ratio: float = 0.2
@@ -104,6 +110,9 @@ class ActorConfig:
 class RefConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     log_prob_micro_batch_size_per_gpu: int = 8
+    # token-budget micro-batches for the ref log-prob pass; both follow the actor's keys unless set (as verl)
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int | None = 16384
 
 
 @dataclass
@@ -136,6 +145,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_bytes: int | None = None  # None: by gpu_memory_utilization on GPU, 256 MiB on CPU; set: wins
     log_prob_micro_batch_size_per_gpu: int = 8
+    # token-budget micro-batches for the old-log-prob pass; both follow the actor's keys unless set (as verl)
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int | None = 16384
     reshard_bucket_bytes: int = 64 * 1024 * 1024
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
@@ -160,6 +172,12 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int = 4
+    # token-budget micro-batches (as the actor's): the update packs up to ppo_max_token_len_per_gpu tokens,
+    # compute_values up to forward_max_token_len_per_gpu (which follows it unless set). use_dynamic_bsz
+    # follows actor_rollout_ref.actor.use_dynamic_bsz unless set (as verl).
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int | None = 32768
+    forward_max_token_len_per_gpu: int | None = 32768
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"  # as actor.loss_agg_mode
@@ -172,6 +190,9 @@ class RewardModelConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     micro_batch_size_per_gpu: int = 8
+    # token-budget micro-batches for scoring; follow the critic's use_dynamic_bsz / forward budget unless set
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: int | None = 32768
     # How the model's score meets the rule/user scorers (data_source / custom_reward_function):
     #   replace: token_level_scores = rm_scores; the rule scorers are not called (verl's behaviour when a
     #            reward model is on), so data sources without a scorer work;
@@ -238,6 +259,17 @@ class RayConfig:
 
 
 @dataclass
+class PrometheusConfig:
+    """trainer.logger `prometheus`: where the step gauges go (hybridflow/trainer/prometheus.py)."""
+    # auto: Ray's metrics export when the trainer joined a cluster (trainer.ray.address), else the http endpoint
+    mode: str = "auto"  # auto | ray | http
+    host: str = "127.0.0.1"  # the http endpoint's address; loopback unless you choose to expose it
+    port: int = 9464  # the http endpoint's port; 0: a free one (the URL is printed at start)
+    # keep the last step's gauges up this long after the run, so a scrape (every 5-60 s) still sees them
+    linger_s: float = 0.0
+
+
+@dataclass
 class FaultConfig:
     """What the driver does about dead workers and non-finite updates (README 'Reliability')."""
     detect_timeout_s: float = 60.0  # a dead worker must be noticed within this (Ray's own notice is ~0.1 s)
@@ -293,6 +325,7 @@ class TrainerConfig:
     # most this many times per run (0: the run ends with the error).
     max_restarts: int = 0
     fault: FaultConfig = field(default_factory=FaultConfig)
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
 
 
 # Defaults that follow another key, like verl's yaml interpolations; load_config puts them under the file
@@ -304,6 +337,15 @@ INTERPOLATED_DEFAULTS = {
     **{f"actor_rollout_ref.ref.megatron.{k}": f"${{actor_rollout_ref.actor.megatron.{k}}}"
        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "virtual_pipeline_model_parallel_size", "context_parallel_size")},
+    # verl's dynamic-batch-size defaults (ppo_megatron_trainer.yaml): the forward passes follow the update's
+    **{f"actor_rollout_ref.{r}.log_prob_use_dynamic_bsz": "${actor_rollout_ref.actor.use_dynamic_bsz}"
+       for r in ("ref", "rollout")},
+    **{f"actor_rollout_ref.{r}.log_prob_max_token_len_per_gpu": "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"
+       for r in ("ref", "rollout")},
+    "critic.use_dynamic_bsz": "${actor_rollout_ref.actor.use_dynamic_bsz}",
+    "critic.forward_max_token_len_per_gpu": "${critic.ppo_max_token_len_per_gpu}",
+    "reward_model.use_dynamic_bsz": "${critic.use_dynamic_bsz}",
+    "reward_model.forward_max_token_len_per_gpu": "${critic.forward_max_token_len_per_gpu}",
 }
 
 

@@ -41,7 +41,6 @@ class Verdict:
 
 
 _MICRO = "verl's deprecated global micro-batch (verl divides it by the data-parallel size)"
-_DYN = ("token-budget micro-batches (verl's dynamic batch size) are " + NOT_YET, "")
 _RECOMPUTE_KEYS = "recompute_granularity, recompute_method, recompute_num_layers"
 _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
 
@@ -74,18 +73,6 @@ RULES: tuple[Rule, ...] = (
          "drop them (gradients are reduced in fp32; the DDP settings are in megatron_workers/optimizer.py)"),
     Rule("*.optim.override_optimizer_config.*", REFUSED, "Megatron optimizer config overrides are " + NOT_YET,
          "drop them; for optimizer memory use *.megatron.optimizer_offload=true"),
-    # ---- dynamic (token-budget) batching
-    Rule("actor_rollout_ref.actor.use_dynamic_bsz", REFUSED, _DYN[0],
-         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (and rollout/ref log_prob_micro_batch_size_per_gpu)",
-         ignore_values=("false",)),
-    Rule("critic.use_dynamic_bsz", REFUSED, _DYN[0], "critic.ppo_micro_batch_size_per_gpu",
-         ignore_values=("false",)),
-    Rule("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", REFUSED, _DYN[0],
-         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", ignore_values=("false",)),
-    Rule("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", REFUSED, _DYN[0],
-         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", ignore_values=("false",)),
-    Rule("*max_token_len_per_gpu", IGNORED,
-         "verl reads it only with use_dynamic_bsz=true, which is refused here; micro-batches are by count"),
     # ---- backends and modes we do not have
     *(Rule(f"{role}.strategy", REFUSED, "this stack trains with Megatron only",
            f"drop it and use {role}.megatron.*", ignore_values=("megatron",)) for role in _ROLES),
@@ -150,7 +137,8 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference("trainer.val_before_train", "True",
                "off here, so a config without data.val_files runs; on, it validates at step 0 as verl"),
     Difference("trainer.logger", "['console', 'wandb']",
-               "wandb runs offline (no network) unless WANDB_MODE says otherwise; also jsonl, tensorboard, mlflow"),
+               "wandb runs offline (no network) unless WANDB_MODE says otherwise; also jsonl, tensorboard, mlflow, "
+               "prometheus (README 'Watching a run')"),
     Difference("trainer.critic_warmup", "0", "verl's rule: the actor is updated at steps >= critic_warmup "
                "(counted from 1), so N gives N-1 critic-only steps; N > 1 without a critic is refused before Ray"),
     Difference("trainer.default_local_dir", "checkpoints/${trainer.project_name}/${trainer.experiment_name}",

@@ -69,9 +69,13 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
     stale = tmp / "ray_current_cluster"
     if stale.exists():
         stale.unlink()
-    # Loopback only: Ray otherwise binds the first interface's address. This switch (Ray's own name for it)
-    # keeps a local cluster on 127.0.0.1 and refuses other nodes, which is what a local cluster is.
+    # Loopback only: Ray otherwise binds the first interface's address (and its gRPC servers '::'). This switch
+    # (Ray's own name for it) keeps a local cluster on 127.0.0.1 and refuses other nodes, which is what a local
+    # cluster is. Ray reads it into a module constant when ray is imported, which has happened by now, so the
+    # constant is set too (for this init only: a later join from this process must see the real address);
+    # the env var reaches the GCS, raylet, agents and workers that this init spawns.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
     kwargs = dict(
         num_cpus=num_cpus,
         include_dashboard=include_dashboard,
@@ -83,4 +87,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
     if include_dashboard:
         kwargs["dashboard_host"] = "127.0.0.1"
     log.info("starting local Ray (num_cpus=%s, temp dir %s)", num_cpus, tmp)
-    return ray.init(**kwargs)
+    cluster_mode, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        return ray.init(**kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode

@@ -7,6 +7,10 @@ On CPU, processes get fractional CPUs; a node can be pinned
 through a custom resource (e.g. "node0" on a simulated loopback cluster).
 Without one, each node's bundle set is kept off the nodes the pool already holds
 (a label selector on Ray's node id), so an N-node pool lands on N distinct nodes.
+
+A pool can instead take bundles that someone else reserved (`Reserved`: a Ray Tune trial's placement group,
+launch/sweep): Ray has no nested placement groups, so one created inside a trial would draw on the
+cluster's free resources, outside the trial's (measured on Ray 2.60), and Tune's accounting would be wrong.
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ class Slot:
     local_rank: int
 
 
+@dataclass(frozen=True)
+class Reserved:
+    """Bundles first..first+world_size-1 of a placement group the pool does not own (nor remove), all on one node."""
+    pg: object
+    first: int
+
+
 @dataclass
 class ResourcePool:
     name: str
@@ -41,6 +52,7 @@ class ResourcePool:
     max_colocate: int = 3  # how many worker groups may share one bundle
     node_resources: list[str] | None = None  # custom resource per node to pin that node
     timeout_s: float = 300.0
+    reserved: Reserved | None = None  # use these bundles instead of making placement groups
     _pgs: list = field(default_factory=list, repr=False)
 
     @property
@@ -71,6 +83,11 @@ class ResourcePool:
 
     def slots(self) -> list[Slot]:
         """Create the placement groups once (with a timeout) and list the slots in rank order."""
+        if self.reserved is not None:
+            if len(self.procs_per_node) != 1:
+                raise ValueError(f"pool '{self.name}': reserved bundles are on one node; the pool spans "
+                                 f"{len(self.procs_per_node)}")
+            return [Slot(self.reserved.pg, self.reserved.first + b, 0, b) for b in range(self.world_size)]
         if self.node_resources is not None and len(self.node_resources) != len(self.procs_per_node):
             raise ValueError(f"pool '{self.name}': node_resources has {len(self.node_resources)} entries "
                              f"for {len(self.procs_per_node)} nodes")
@@ -114,11 +131,15 @@ class ResourcePool:
 
     def node_ids(self) -> list[str]:
         """The Ray node id each of the pool's nodes landed on (after slots())."""
+        if self.reserved is not None:
+            from ray.util import placement_group_table
+
+            return [placement_group_table(self.reserved.pg)["bundles_to_node_id"][self.reserved.first]]
         return [_node_of(pg) for pg in self._pgs]
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        for pg in self._pgs:
+        for pg in self._pgs:  # never a reserved one: its owner removes it
             remove_placement_group(pg)
         self._pgs.clear()

@@ -110,6 +110,7 @@ class RayPPOTrainer:
         self.timeline = StepTimeline(cfg.trainer.timeline_dir, cfg.trainer.timeline_steps, groups,
                                      quiet_to=str(self.run_dir / "logs" / "driver_profiler.log"))
         self.on_resumed = None  # called with the step after resume (hybridflow/trainer/restart.py's log)
+        self.on_step = None  # called with (step, metrics) after each step is logged (a launch.sweep trial reports)
         self.last_saved: Path | None = None  # this run's newest committed checkpoint (a restart resumes it)
 
     # ---------------------------------------------------------------- data
@@ -236,6 +237,8 @@ class RayPPOTrainer:
                 out = self.arr.update_actor(batch)
                 metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
         step_time = time.perf_counter() - t_step
+        # forward-only stages report their padding share in meta_info (one key per stage, see the workers)
+        metrics.update({k: float(v) for k, v in batch.meta_info.items() if k.startswith("perf/padding_fraction/")})
         n_prompt, n_resp = M.token_counts(batch)
         metrics.update(M.data_metrics(batch, self.use_critic, rollout_vs_old=not skip_old))
         if skip_old and "actor/rollout_logprob_diff" in metrics:
@@ -366,6 +369,11 @@ class RayPPOTrainer:
         return self.global_step
 
     # ---------------------------------------------------------------- loop
+    def prometheus_options(self) -> dict:
+        p = self.cfg.trainer.prometheus
+        return {"mode": p.mode, "host": p.host, "port": p.port, "linger_s": p.linger_s,
+                "joined_cluster": bool(self.cfg.trainer.ray.address)}
+
     def fit(self) -> list[dict]:
         total = self.total_steps()
         with stage("resume"):
@@ -381,7 +389,7 @@ class RayPPOTrainer:
                      self.cfg.trainer.critic_warmup, self.cfg.trainer.critic_warmup - 1, self.cfg.trainer.critic_warmup)
         tracker = Tracking(self.cfg.trainer.logger, self.run_dir, self.cfg.trainer.project_name,
                            self.cfg.trainer.experiment_name, to_dict(self.cfg), total_steps=total,
-                           start_step=self.global_step)
+                           start_step=self.global_step, prometheus=self.prometheus_options())
         history = []
         validating = self.val_dataset is not None
         try:
@@ -397,6 +405,8 @@ class RayPPOTrainer:
                 if validating and V.should_validate(self.global_step, total, self.cfg.trainer.test_freq):
                     m.update(self.run_validation())  # logged with the step it validates, as verl does
                 tracker.log(m, self.global_step)
+                if self.on_step is not None:
+                    self.on_step(self.global_step, m)
                 history.append({"step": self.global_step, **m})
                 sf = self.cfg.trainer.save_freq
                 if sf > 0 and (self.global_step % sf == 0 or self.global_step == total):

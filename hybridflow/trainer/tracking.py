@@ -3,7 +3,8 @@
 console (a tqdm bar over steps showing reward and throughput on a terminal; one line per step when
 stderr is not one, e.g. in `ray job logs` or a log file, where a bar's carriage returns pile up), jsonl (one object
 per step, with "step"), tensorboard, wandb (offline: works with no network),
-mlflow (local file store). A backend that cannot start fails at construction,
+mlflow (local file store), prometheus (gauges: an HTTP endpoint on loopback or Ray's metrics
+export, hybridflow/trainer/prometheus.py). A backend that cannot start fails at construction,
 before any worker is launched.
 """
 
@@ -17,19 +18,25 @@ import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "prometheus")
 
 
 class Tracking:
     def __init__(self, backends: list[str], run_dir: str | Path, project: str, experiment: str,
-                 config: dict | None = None, total_steps: int | None = None, start_step: int = 0):
+                 config: dict | None = None, total_steps: int | None = None, start_step: int = 0,
+                 prometheus: dict | None = None):
+        """`prometheus`: make_exporter's keyword arguments (mode, host, port, linger_s, joined_cluster)."""
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
             raise ValueError(f"trainer.logger: unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.backends = list(backends)
-        self._bar = self._jsonl = self._tb = self._wandb = self._mlflow = None
+        self._bar = self._jsonl = self._tb = self._wandb = self._mlflow = self._prom = None
+        if "prometheus" in backends:  # first: a busy port fails before any other backend opened a file
+            from hybridflow.trainer.prometheus import make_exporter
+
+            self._prom = make_exporter(project=project, experiment=experiment, **(prometheus or {}))
         if "console" in backends:
             if _is_tty(sys.stderr):
                 from tqdm import tqdm
@@ -80,6 +87,8 @@ class Tracking:
             import mlflow
 
             mlflow.log_metrics({k.replace("@", "_"): v for k, v in clean.items()}, step=step)
+        if self._prom:  # after the jsonl row: a scraper that sees step N finds its row on disk
+            self._prom.update(clean)
         if self._bar is not None:
             post = {}
             for key, short in (("critic/score/mean", "reward"), ("perf/throughput", "tok/s/dev"),
@@ -104,6 +113,8 @@ class Tracking:
             import mlflow
 
             mlflow.end_run()
+        if self._prom:
+            self._prom.close()
 
 
 def _is_tty(stream) -> bool:

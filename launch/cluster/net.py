@@ -72,19 +72,34 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def wait_reachable(address: str, timeout_s: float) -> None:
-    """Retry a TCP connect to HOST:PORT until it succeeds or `timeout_s` passes (a head may still be starting)."""
-    host, port = split_address(address)
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
+def connect_within(host: str, port: int, timeout_s: float, refused_s: float | None = None) -> OSError | None:
+    """Retry a TCP connect to host:port every 0.5 s until it succeeds (None) or `timeout_s` passes (the last
+    error). A refused connection, i.e. a host that answers with nothing on the port, is retried only for
+    `refused_s` when given (a head restarting), while silence is retried up to timeout_s.
+
+    The one probe behind every "is the head/dashboard there" check of launch/, so each fails in seconds with an
+    error naming the address instead of after Ray's own minute of reconnect attempts."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     while True:
-        left = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, left))):
-                return
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return None
+        except ConnectionRefusedError as e:
+            last = e
+            if refused_s is not None and time.monotonic() - t0 > refused_s:
+                return last
         except OSError as e:
-            last = e.strerror or str(e)
+            last = e
         if time.monotonic() + 0.5 > deadline:
-            raise ConnectionError(f"cannot reach the Ray head at {address} within {timeout_s:.0f} s ({last}); "
-                                  "is the head running there and is the port open?")
+            return last
         time.sleep(0.5)
+
+
+def wait_reachable(address: str, timeout_s: float) -> None:
+    """Wait until HOST:PORT accepts a TCP connect (a head may still be starting); ConnectionError after timeout_s."""
+    host, port = split_address(address)
+    last = connect_within(host, port, timeout_s)
+    if last is not None:
+        raise ConnectionError(f"cannot reach the Ray head at {address} within {timeout_s:.0f} s "
+                              f"({last.strerror or last}); is the head running there and is the port open?")

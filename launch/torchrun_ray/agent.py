@@ -20,16 +20,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+from hybridflow.controller.worker import free_port
+
 from .plan import LaunchSpec, torchrun_command
 from .report import NodeOutcome, parse_failures
 
 JOB_TAG_ENV = "HF_TORCHRUN_RAY_TAG"  # marks every process of one node's torchrun tree
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class NodeAgent:
@@ -51,7 +47,7 @@ class NodeAgent:
     def where(self) -> dict:
         import ray
 
-        return {"ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(), "port": _free_port(),
+        return {"ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(), "port": free_port(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     def start(self, spec: LaunchSpec, entry: list[str], master_addr: str, master_port: int, env: dict[str, str],

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
+
+from launch.cluster.net import connect_within
 
 from .agent import NodeAgent
 from .plan import (
@@ -47,21 +48,10 @@ def check_reachable(address: str, timeout_s: float, refused_s: float = 2.0) -> N
     if not sep or not port.isdigit():
         raise LaunchInputError(f"--address {address!r} is not host:port")
     t0 = time.monotonic()
-    deadline = t0 + timeout_s
-    last: OSError | None = None
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, int(port)), timeout=max(0.5, min(3.0, deadline - time.monotonic()))):
-                return
-        except ConnectionRefusedError as e:
-            last = e
-            if time.monotonic() - t0 > refused_s:
-                break
-        except OSError as e:
-            last = e
-        time.sleep(0.5)
-    raise LaunchError(f"Ray cluster at --address {address} is unreachable "
-                      f"({time.monotonic() - t0:.0f} s of tries): {last}")
+    last = connect_within(host, int(port), timeout_s, refused_s=refused_s)
+    if last is not None:
+        raise LaunchError(f"Ray cluster at --address {address} is unreachable "
+                          f"({time.monotonic() - t0:.0f} s of tries): {last}")
 
 
 def describe_cluster(nodes: list[dict]) -> str:

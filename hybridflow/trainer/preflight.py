@@ -1,0 +1,358 @@
+"""Everything the trainer checks before Ray starts: each role's mesh against its model and pool, the loss and
+KL names, verl's shared keys, validation data, the reference and reward models, and the cluster size.
+
+`validate(cfg)` is the whole check; main() runs it (and `hybridflow.config.checks.data_files`) before any
+worker exists, so a bad config costs seconds, not a cluster start. Pure: reads config.json files, no Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from hybridflow.config import checks
+from hybridflow.config.checks import wants_validation
+from hybridflow.config.schema import HybridFlowConfig
+
+log = logging.getLogger("hybridflow")
+
+
+def _hf_config(key: str, path: str, causal_lm: bool = False) -> dict:
+    """The config.json of the HF directory named by config key `key`, checked with its safetensors files
+    (complete, readable headers; for a causal LM also every tensor the loader needs), or an error naming the key."""
+    config = checks.model_config(key, path)  # raises on a missing, invalid or incomplete config.json
+    checks.model_weights(key, path, config if causal_lm else None)
+    return config
+
+
+def _role_dims(key: str, m, world: int, hf_config: dict, pool: str | None = None):
+    """A role's Megatron mesh on `world` processes, checked against its model; errors name `key` (its megatron)
+    and `pool` (Placement.describe: the role's pool and its size)."""
+    from hybridflow.parallel.dims import LayoutError, ModelShape, ParallelDims
+
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    where = pool or f"trainer.n_gpus_per_node*nnodes={world}"
+    for name, size in (("tensor", tp), ("pipeline", pp), ("context", cp)):
+        if size < 1:
+            raise ValueError(f"{key}.{name}_model_parallel_size={size} must be >= 1")
+    if tp * pp * cp > world:
+        raise ValueError(f"{key} tp*pp*cp={tp}*{pp}*{cp}={tp * pp * cp} processes is larger than its {where}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"{key} tp*pp*cp={tp}*{pp}*{cp}={tp * pp * cp} does not divide the size of its {where}")
+    from hybridflow.parallel.dims import check_recompute
+    from megatron_workers.model_builder import TRANSFORMER_IMPLS
+
+    if m.transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"{key}.transformer_impl={m.transformer_impl!r}; choose one of {', '.join(TRANSFORMER_IMPLS)}")
+    model = ModelShape.from_hf_config(hf_config)
+    o = m.override_transformer_config
+    try:
+        dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel,
+                            vpp=m.virtual_pipeline_model_parallel_size or 1).validate(world, model)
+        check_recompute(f"{key}.override_transformer_config", o.recompute_granularity, o.recompute_method,
+                        o.recompute_num_layers, dims, model)
+    except LayoutError as e:
+        raise ValueError(f"{key}: {e}") from None
+    return dims
+
+
+def resolved_transformer_impls(cfg: HybridFlowConfig) -> dict[str, str]:
+    """{role's transformer_impl key: "local" | "transformer_engine" (why)}, as this process sees the machine.
+
+    On a local run the workers share the driver's machine, so this is their choice too; on a remote cluster
+    each worker logs its own at start-up (megatron_workers.engine.build_role_engine).
+    """
+    from megatron_workers.model_builder import resolve_transformer_impl
+
+    roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.megatron,
+             "actor_rollout_ref.ref": cfg.actor_rollout_ref.ref.megatron, "critic": cfg.critic.megatron,
+             "reward_model": cfg.reward_model.megatron}
+    out = {}
+    for role, m in roles.items():
+        key = f"{role}.megatron.transformer_impl"
+        impl, why = resolve_transformer_impl(m.transformer_impl, key)
+        out[key] = f"{impl} ({why})"
+    return out
+
+
+GRADIENT_CHECKPOINTING_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform",
+                                    "recompute_num_layers": 1}
+
+
+def apply_gradient_checkpointing(cfg: HybridFlowConfig) -> None:
+    """model.enable_gradient_checkpointing=true -> full recompute of every layer in that model's roles,
+    where the role's override_transformer_config does not choose a recompute itself."""
+    a = cfg.actor_rollout_ref
+    for model, roles in ((a.model, (a.actor.megatron, a.ref.megatron)), (cfg.critic.model, (cfg.critic.megatron,))):
+        if not model.enable_gradient_checkpointing:
+            continue
+        for m in roles:
+            o = m.override_transformer_config
+            if o.recompute_granularity is None and o.recompute_method is None and o.recompute_num_layers is None:
+                for k, v in GRADIENT_CHECKPOINTING_RECOMPUTE.items():
+                    setattr(o, k, v)
+
+
+def needs_ref(cfg: HybridFlowConfig) -> bool:
+    """The reference model is only run for a KL term (in the reward or in the loss)."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
+def job_roles(cfg: HybridFlowConfig) -> list[str]:
+    """The roles this job runs (hybridflow.trainer.placement.ROLES), actor_rollout first."""
+    from hybridflow.algorithms import needs_critic
+
+    critic = cfg.critic.enable if cfg.critic.enable is not None else needs_critic(cfg.algorithm.adv_estimator)
+    return (["actor_rollout"] + (["ref"] if needs_ref(cfg) else []) + (["critic"] if critic else [])
+            + (["reward_model"] if cfg.reward_model.enable else []))
+
+
+def placement_of(cfg: HybridFlowConfig):
+    """The job's Placement (pools and role map); errors name the trainer key. Also what launch.plan plans."""
+    from hybridflow.trainer import placement as P
+
+    if cfg.trainer.placement == "split" and not cfg.trainer.resource_pools:
+        log.warning("%s", P.MIGRATION)
+    try:
+        return P.resolve(cfg.trainer, job_roles(cfg))
+    except P.PlacementError as e:
+        raise ValueError(str(e)) from None
+
+
+def validate(cfg: HybridFlowConfig) -> None:
+    """Cheap checks that name the key, before anything expensive starts."""
+    from hybridflow.algorithms import get_adv_estimator, needs_critic
+    from hybridflow.parallel.dims import GenerationDims, LayoutError, ModelShape
+
+    a = cfg.actor_rollout_ref
+    checks.trainer_keys(cfg.trainer)  # the world size below is made of them
+    actor_hf = _hf_config("actor_rollout_ref.model.path", a.model.path, causal_lm=True)
+    checks.tokenizer_dir("actor_rollout_ref.model.tokenizer_path" if a.model.tokenizer_path else
+                         "actor_rollout_ref.model.path", a.model.tokenizer_path or a.model.path)
+    checks.model_dtype("actor_rollout_ref.model.dtype", a.model.dtype)
+    if not cfg.data.train_files:
+        raise ValueError("data.train_files is empty")
+    for f in cfg.data.train_files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"data.train_files: {f} does not exist")
+    get_adv_estimator(cfg.algorithm.adv_estimator)
+    _validate_loss_names(cfg)
+    from hybridflow.rollout.base import ENGINES
+
+    if a.rollout.name not in ENGINES:
+        raise ValueError(f"actor_rollout_ref.rollout.name={a.rollout.name!r}; choose one of {', '.join(ENGINES)}")
+    place = placement_of(cfg)
+    apply_gradient_checkpointing(cfg)
+    dims = _role_dims("actor_rollout_ref.actor.megatron", a.actor.megatron, place.world("actor_rollout"), actor_hf,
+                      place.describe("actor_rollout"))
+    try:
+        GenerationDims(a.rollout.tensor_model_parallel_size).validate(dims, ModelShape.from_hf_config(actor_hf))
+    except LayoutError as e:
+        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size="
+                         f"{a.rollout.tensor_model_parallel_size}: {e}") from None
+    _validate_ref(cfg, place, actor_hf)
+    checks.counts(cfg, ("data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_epochs",
+                        *(f"actor_rollout_ref.{k}" for k in ("actor.ppo_mini_batch_size",
+                                                              "actor.ppo_micro_batch_size_per_gpu",
+                                                              "rollout.log_prob_micro_batch_size_per_gpu",
+                                                              "ref.log_prob_micro_batch_size_per_gpu"))))
+    rows = cfg.data.train_batch_size
+    if rows % dims.dp:
+        raise ValueError(f"data.train_batch_size={rows} is not divisible by the actor dp size {dims.dp}")
+    checks.update_batches("actor_rollout_ref.actor", a.actor.ppo_mini_batch_size, a.actor.ppo_micro_batch_size_per_gpu,
+                          a.rollout.n, dims.dp, rows, dynamic=a.actor.use_dynamic_bsz)
+    checks.sampling(cfg)
+    steps = cfg.trainer.total_training_steps
+    checks.optim("actor_rollout_ref.actor.optim", a.actor.optim, steps)
+    if cfg.critic.enable is None:
+        cfg.critic.enable = needs_critic(cfg.algorithm.adv_estimator)
+    if needs_critic(cfg.algorithm.adv_estimator) and not cfg.critic.enable:
+        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic; critic.enable=False")
+    if cfg.critic.enable and not cfg.critic.model.path:
+        cfg.critic.model.path = a.model.path
+    if cfg.critic.enable:
+        c = cfg.critic
+        critic_hf = _hf_config("critic.model.path", c.model.path)
+        checks.model_dtype("critic.model.dtype", c.model.dtype)
+        critic_dims = _role_dims("critic.megatron", c.megatron, place.world("critic"), critic_hf,
+                                 place.describe("critic"))
+        checks.counts(cfg, ("critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs"))
+        checks.update_batches("critic", c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu, a.rollout.n,
+                              critic_dims.dp, rows, dynamic=c.use_dynamic_bsz)
+        checks.optim("critic.optim", c.optim, steps)
+    checks.token_budgets(cfg)  # after critic.enable is known
+    checks.resume(cfg)  # after critic.enable is known: a critic run needs the checkpoint's critic
+    checks.reward_fn(cfg.custom_reward_function)
+    _validate_verl_shared_keys(cfg)
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and a.rollout.n < 2:
+        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
+                         f"actor_rollout_ref.rollout.n must be >= 2 (got {a.rollout.n})")
+    _validate_reward_model(cfg, place, actor_hf)
+    _validate_validation(cfg)
+    if cfg.trainer.ray.address is None:  # a local run: the workers see this machine, so check the TE choice here
+        resolved_transformer_impls(cfg)
+    _validate_fault(cfg)
+    from hybridflow.trainer.timeline import check_timeline_keys
+
+    check_timeline_keys(cfg.trainer)
+
+
+def _validate_fault(cfg: HybridFlowConfig) -> None:
+    """trainer.max_restarts, trainer.fault.* and the reward sandbox's limits (README 'Reliability')."""
+    t, f, r = cfg.trainer, cfg.trainer.fault, cfg.custom_reward_function
+    checks = [("trainer.max_restarts", t.max_restarts, t.max_restarts >= 0, ">= 0"),
+              ("trainer.fault.detect_timeout_s", f.detect_timeout_s, f.detect_timeout_s > 0, "> 0"),
+              ("trainer.fault.pg_timeout_s", f.pg_timeout_s, f.pg_timeout_s > 0, "> 0"),
+              ("trainer.fault.max_nonfinite", f.max_nonfinite, f.max_nonfinite >= 0, ">= 0 (0: never abort)"),
+              ("custom_reward_function.sandbox_timeout_s", r.sandbox_timeout_s, r.sandbox_timeout_s > 0, "> 0"),
+              ("custom_reward_function.memory_mb", r.memory_mb, r.memory_mb >= 64, ">= 64")]
+    for key, value, ok, need in checks:
+        if not ok:
+            raise ValueError(f"{key}={value} must be {need}")
+    if t.max_restarts and t.save_freq <= 0:
+        log.warning("trainer.max_restarts=%d with trainer.save_freq=%d: a restart has no checkpoint of this run "
+                    "and starts over from step 0", t.max_restarts, t.save_freq)
+
+
+def _validate_loss_names(cfg: HybridFlowConfig) -> None:
+    """Loss aggregation and KL estimator names, against the lists the loss code itself uses."""
+    from hybridflow.algorithms import LOSS_AGG_MODES, check_kl_kind, require_choice
+
+    actor = cfg.actor_rollout_ref.actor
+    require_choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    require_choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
+    # Checked even when unused (use_kl_loss / use_kl_in_reward off): a typo should not wait for the flag.
+    check_kl_kind("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)
+    check_kl_kind("algorithm.kl_penalty", cfg.algorithm.kl_penalty)
+    for key, factor in (("actor_rollout_ref.actor.loss_scale_factor", actor.loss_scale_factor),
+                        ("critic.loss_scale_factor", cfg.critic.loss_scale_factor)):
+        if factor is not None and not factor > 0:
+            raise ValueError(f"{key}={factor} must be > 0 (or null: the padded response length, as verl)")
+
+
+def _validate_verl_shared_keys(cfg: HybridFlowConfig) -> None:
+    """Keys shared with verl whose values need a check here (after critic.enable is resolved): the rollout's
+    memory, data.truncation, trainer.critic_warmup, and context parallelism (not supported yet)."""
+    import torch
+
+    from hybridflow.data.rl_dataset import TRUNCATIONS
+    from hybridflow.rollout.vllm_launch import engine_memory_kwargs
+
+    r = cfg.actor_rollout_ref.rollout
+    on_gpu = torch.cuda.is_available()  # the driver's view, as for perf/mfu's device peak
+    _, note = engine_memory_kwargs(r.gpu_memory_utilization, r.kv_cache_memory_bytes, on_gpu)  # raises if bad
+    if note and r.name == "vllm":
+        log.info("%s", note)  # here, once: the workers' own info lines do not reach the driver's console
+    offloads = [f"{role}.megatron.{flag}" for role, m in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor),
+                                                          ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref),
+                                                          ("critic", cfg.critic), ("reward_model", cfg.reward_model))
+                for flag in ("param_offload", "grad_offload", "optimizer_offload") if getattr(m.megatron, flag)]
+    if offloads and not on_gpu:
+        log.info("%s: no CUDA, the models already live in host memory, so offload moves nothing (a no-op on CPU)",
+                 ", ".join(offloads))
+    if cfg.data.truncation not in TRUNCATIONS:
+        raise ValueError(f"data.truncation={cfg.data.truncation!r}; choose one of {', '.join(TRUNCATIONS)}")
+    warmup = cfg.trainer.critic_warmup
+    if warmup < 0:
+        raise ValueError(f"trainer.critic_warmup={warmup} must be >= 0")
+    if warmup > 1 and not cfg.critic.enable:
+        raise ValueError(f"trainer.critic_warmup={warmup} holds the actor back for the first {warmup - 1} steps "
+                         f"to train the critic, but there is no critic (algorithm.adv_estimator="
+                         f"{cfg.algorithm.adv_estimator}, critic.enable=false): those steps would train nothing; "
+                         "set trainer.critic_warmup=0")
+    roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.megatron}
+    if needs_ref(cfg):
+        roles["actor_rollout_ref.ref"] = cfg.actor_rollout_ref.ref.megatron
+    if cfg.critic.enable:
+        roles["critic"] = cfg.critic.megatron
+    if cfg.reward_model.enable:
+        roles["reward_model"] = cfg.reward_model.megatron
+    for role, m in roles.items():
+        if m.context_parallel_size != 1:
+            raise ValueError(f"{role}.megatron.context_parallel_size={m.context_parallel_size}: context parallelism "
+                             "needs Transformer Engine's attention on GPU (its ring attention over the sequence "
+                             "shards), which this stack does not wire up; set it to 1 and cut activation memory "
+                             f"with {role}.megatron.sequence_parallel=true, "
+                             f"{role}.megatron.override_transformer_config.recompute_granularity=full, or smaller "
+                             "micro-batches")
+
+
+def _validate_validation(cfg: HybridFlowConfig) -> None:
+    """data.val_files, data.val_batch_size, trainer.test_freq / val_before_train and rollout.val_kwargs."""
+    d, t, vk = cfg.data, cfg.trainer, cfg.actor_rollout_ref.rollout.val_kwargs
+    for f in d.val_files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"data.val_files: {f} does not exist")
+    if wants_validation(cfg) and not d.val_files:
+        asked = "trainer.val_before_train=true" if t.val_before_train else f"trainer.test_freq={t.test_freq}"
+        raise ValueError(f"{asked} validates on data.val_files, which is empty (set data.val_files=[...], "
+                         "or trainer.val_before_train=false trainer.test_freq=-1)")
+    if d.val_files and not wants_validation(cfg):
+        log.warning("data.val_files is set but no validation is scheduled (trainer.val_before_train=false, "
+                    "trainer.test_freq=%d): it is not read", t.test_freq)
+    if d.val_batch_size is not None and d.val_batch_size < 1:
+        raise ValueError(f"data.val_batch_size={d.val_batch_size} must be >= 1 (or null: the whole val set at once)")
+    key = "actor_rollout_ref.rollout.val_kwargs"
+    if vk.n < 1:
+        raise ValueError(f"{key}.n={vk.n} must be >= 1")
+    if vk.temperature < 0:
+        raise ValueError(f"{key}.temperature={vk.temperature} must be >= 0")
+    if not 0 < vk.top_p <= 1:
+        raise ValueError(f"{key}.top_p={vk.top_p} must be in (0, 1]")
+    if vk.do_sample and vk.temperature == 0:
+        # vLLM treats temperature 0 as greedy: the run would say "sampled" and validate greedily.
+        raise ValueError(f"{key}.do_sample=true samples at {key}.temperature, which is 0 (greedy); "
+                         f"set {key}.temperature > 0 or {key}.do_sample=false")
+    if not vk.do_sample and vk.n > 1:
+        log.warning("%s.do_sample=false with n=%d: greedy gives %d identical samples per prompt", key, vk.n, vk.n)
+
+
+def _validate_ref(cfg: HybridFlowConfig, place, actor_hf: dict) -> None:
+    """On the actor's pool the ref runs in the actor's processes and Megatron groups (same tp/pp/cp); on a pool
+    of its own it only has to fit that pool. Without a KL term there is no ref to place."""
+    a = cfg.actor_rollout_ref
+    if "ref" not in place.role_pools:
+        return
+    if not place.shares_actor_pool("ref"):
+        _role_dims("actor_rollout_ref.ref.megatron", a.ref.megatron, place.world("ref"), actor_hf,
+                   place.describe("ref"))
+        return
+    layout = lambda m: (m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                        m.virtual_pipeline_model_parallel_size or 1, m.context_parallel_size)
+    if layout(a.ref.megatron) != layout(a.actor.megatron):
+        raise ValueError(f"the ref shares the actor's {place.describe('ref')} and runs in the actor's processes, "
+                         f"so actor_rollout_ref.ref.megatron (tp, pp, vpp, cp)={layout(a.ref.megatron)} must equal "
+                         f"actor_rollout_ref.actor.megatron's {layout(a.actor.megatron)} "
+                         "(or give the ref a pool of its own: trainer.placement=standalone, or trainer.role_pools.ref)")
+
+
+def _validate_reward_model(cfg: HybridFlowConfig, place, actor_hf: dict) -> None:
+    from hybridflow.rewards.manager import REWARD_MODES
+
+    rm = cfg.reward_model
+    if not rm.enable:
+        return
+    if rm.reward_mode not in REWARD_MODES:
+        raise ValueError(f"reward_model.reward_mode={rm.reward_mode!r}; choose one of {', '.join(REWARD_MODES)}")
+    try:
+        rm_hf = _hf_config("reward_model.model.path", rm.model.path)
+    except FileNotFoundError as e:
+        hint = "python -m hybridflow.models.tiny --reward-model --out DIR writes a tiny one"
+        raise FileNotFoundError(f"{e} (reward_model.enable=true needs an HF reward model directory; {hint})") from None
+    checks.model_dtype("reward_model.model.dtype", rm.model.dtype)
+    _role_dims("reward_model.megatron", rm.megatron, place.world("reward_model"), rm_hf,
+               place.describe("reward_model"))
+    # The reward model reads the policy's token ids as they are: it must know every id the policy can emit.
+    if rm_hf.get("vocab_size", 0) < actor_hf.get("vocab_size", 0):
+        raise ValueError(f"reward_model.model.path: vocab_size {rm_hf.get('vocab_size')} is smaller than the "
+                         f"actor's {actor_hf.get('vocab_size')}; the reward model must use the policy's tokenizer")
+    if rm.micro_batch_size_per_gpu < 1:
+        raise ValueError(f"reward_model.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must be >= 1")
+
+
+def validate_cluster(cfg: HybridFlowConfig) -> None:
+    """Without trainer.ray.address the trainer starts a one-machine cluster, which cannot hold several nodes."""
+    if not cfg.trainer.ray.address and cfg.trainer.nnodes > 1:
+        raise ValueError(f"trainer.nnodes={cfg.trainer.nnodes} needs a multi-node Ray cluster: set "
+                         "trainer.ray.address (auto, or host:port) or trainer.nnodes=1")
+
