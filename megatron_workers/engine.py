@@ -65,6 +65,7 @@ from hybridflow.data.token_budget import (
 )
 from megatron_workers.logprob import left_justify
 from megatron_workers.nonfinite import NonFiniteGuard
+from megatron_workers.profiling import ScheduleRanges
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,8 @@ class MegatronEngine:
         self.scheduler = scheduler
         self.nonfinite = NonFiniteGuard("train_step")  # the worker names its stage (update_actor, ...)
         self.config = get_model_config(model[0])  # megatron's chunks share one TransformerConfig
+        if self.config.timers is None:  # forward/backward ranges on timeline steps (megatron_workers/profiling.py)
+            self.config.timers = ScheduleRanges()
         self.module = _unwrap(model[-1])  # the GPTModel holding the output layer on the last stage (DDP unwrapped)
         self.hf_vocab_size = getattr(self.module, "hf_vocab_size", None)  # real vocab, before TP padding
         self.tp_size = ps.get_tensor_model_parallel_world_size()
@@ -386,7 +389,8 @@ class MegatronEngine:
         # fp32/bf16 have no grad scaler to skip a non-finite step (fp16's found_inf does): check first.
         problem = self.nonfinite.check(self.model, float(sums["loss"]) if "loss" in sums else 0.0)
         if problem is None:
-            update_ok, grad_norm, _ = self.optimizer.step()
+            with torch.profiler.record_function("optimizer"):
+                update_ok, grad_norm, _ = self.optimizer.step()
         else:
             logger.warning("skipped a non-finite update (%s)", problem)
             self.optimizer.zero_grad()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from hybridflow.controller import Dispatch, register
 from hybridflow.protocol import DataProto
 
@@ -81,9 +83,11 @@ class RolloutRole:
         if self.rollout is None:
             raise RuntimeError(f"generate_sequences needs the rollout role; this worker's role is {self.role!r}")
         self.rollout.resume()
-        metrics = self._sync_weights()
+        with torch.profiler.record_function("reshard"):
+            metrics = self._sync_weights()
         t = time.perf_counter()
-        out = self.rollout.generate_sequences(prompts)
+        with torch.profiler.record_function("generate"):
+            out = self.rollout.generate_sequences(prompts)
         metrics["rollout/gen_s_per_replica"] = time.perf_counter() - t
         self.rollout.release()
         out.meta_info["metrics"] = metrics

@@ -307,6 +307,11 @@ class TrainerConfig:
     role_pools: dict[str, str] = field(default_factory=dict)
     rollout_data_dir: str | None = None  # write each step's samples to <dir>/step_<N>.jsonl (verl's key)
     device_peak_flops: float | None = None  # per device, for perf/mfu/actor; None: a table for known devices
+    # Chrome-trace JSON of the driver's stages and every rank's forward/backward/optimizer/reshard ranges
+    # (torch.profiler), for the steps in timeline_steps, as <timeline_dir>/step_<N>.json (README 'Timelines').
+    # null: off, and nothing is profiled.
+    timeline_dir: str | None = None
+    timeline_steps: list[int] = field(default_factory=lambda: [2, 3])
     # Validation on data.val_files: before the first step (logged at the current step, 0 on a fresh run),
     # every test_freq steps and after the last step (test_freq <= 0: never); see RayPPOTrainer.validate.
     val_before_train: bool = False

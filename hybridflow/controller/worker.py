@@ -81,6 +81,12 @@ class WorkerHost:
 
     def __init__(self, env: dict[str, str], roles: dict[str, tuple]):
         os.environ.update({k: str(v) for k, v in env.items()})
+        from hybridflow.controller.worker_logs import LOG_DIR_ENV, redirect_worker_output
+
+        if os.environ.get(LOG_DIR_ENV):  # before any role imports megatron/vLLM and their warnings
+            role = os.environ.get("HYBRIDFLOW_ROLE", "worker")
+            self._log_path = redirect_worker_output(os.environ[LOG_DIR_ENV], role, int(os.environ.get("RANK", 0)))
+        self._profiler = None
         self._roles = {}
         for name, (cls, args, kwargs) in roles.items():
             self._roles[name] = cls(*args, **kwargs)
@@ -119,6 +125,19 @@ class WorkerHost:
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             out["device_peak_bytes"] = float(torch.cuda.max_memory_allocated())
         return out
+
+    def profile_start(self) -> None:
+        """Record the named ranges (forward/backward/optimizer/reshard...) until profile_stop: a timeline step."""
+        from hybridflow.controller.profile import RangeProfiler
+
+        self._profiler = self._profiler or RangeProfiler()
+        self._profiler.start()
+
+    def profile_stop(self) -> list[dict]:
+        """The ranges since profile_start, as torch.profiler's trace events with absolute timestamps."""
+        if self._profiler is None:
+            raise RuntimeError("profile_stop without profile_start")
+        return self._profiler.stop()
 
     def ping(self) -> dict:
         import ray

@@ -223,6 +223,16 @@ class RayWorkerGroup:
         return self._wait("peak_memory", [h.peak_memory.remote() for h in self._hosts], list(range(self.world_size)),
                           None, raw=True)
 
+    def profile_start(self) -> None:
+        """Start each rank's range profiler (WorkerHost.profile_start): the step that follows is on the timeline."""
+        self._wait("profile_start", [h.profile_start.remote() for h in self._hosts], list(range(self.world_size)),
+                   None, raw=True)
+
+    def profile_stop(self) -> list[list[dict]]:
+        """Each rank's trace events since profile_start, in rank order."""
+        return self._wait("profile_stop", [h.profile_stop.remote() for h in self._hosts],
+                          list(range(self.world_size)), None, raw=True)
+
     def _dead_ranks(self, ranks) -> list[int]:
         from ray._private import state
 

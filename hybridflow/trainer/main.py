@@ -210,7 +210,10 @@ def _prepare_run(cfg: HybridFlowConfig, validated: bool, data: tuple | None = No
     with open(resolved, "a") as fh:  # comments: the file still loads as a config, `auto` stays auto
         fh.write("# resolved on the driver's machine (workers log their own):\n")
         fh.writelines(f"#   {key}: {choice}\n" for key, choice in impls.items())
-    init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir)
+    from hybridflow.controller.worker_logs import LOG_DIR_ENV
+
+    init_ray(r.address, num_cpus, r.include_dashboard, r.object_store_memory, run_dir=cfg.trainer.default_local_dir,
+             env_vars={LOG_DIR_ENV: worker_log_dir(cfg)})  # WorkerHost sends each rank's output there
     return tokenizer, dataset, val_dataset, reward
 
 
@@ -226,6 +229,11 @@ def _make_trainer(cfg: HybridFlowConfig, place, teardown, tokenizer, dataset, va
     trainer.n_devices = place.n_devices  # every pool's processes: verl's perf/throughput divides by them
     trainer.n_params = count_params(cfg.actor_rollout_ref.model.path)
     return trainer
+
+
+def worker_log_dir(cfg: HybridFlowConfig) -> str:
+    """<run dir>/logs: each worker process's stdout/stderr (hybridflow/controller/worker_logs.py)."""
+    return os.path.join(os.path.abspath(cfg.trainer.default_local_dir), "logs")
 
 
 def count_params(path: str) -> int:
@@ -263,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
                         "'Coming from verl'); pass --config FILE for a YAML file of ours", flag, value)
     try:
         cfg = load_config(args.config, args.overrides)
+        log.info("logs: %s (one file per worker process; the console shows errors and first-time warnings)",
+                 worker_log_dir(cfg))
         validate(cfg)
         validate_cluster(cfg)
         data = checks.data_files(cfg)  # the rows too (prompts, ground truth, lengths), still before Ray starts

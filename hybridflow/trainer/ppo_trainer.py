@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def timer(name: str, timings: dict):
     t = time.perf_counter()
-    with stage(name):
+    with stage(name), torch.profiler.record_function(name):  # a driver span on timeline steps
         yield
     timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
 
@@ -104,6 +104,11 @@ class RayPPOTrainer:
         self.last_val_step: int | None = None  # the step whose policy was last validated (kept in checkpoints)
         self.global_step = 0
         self.n_params = None
+        from hybridflow.trainer.timeline import StepTimeline
+
+        groups = [actor_rollout_ref, critic, ref, reward_model]
+        self.timeline = StepTimeline(cfg.trainer.timeline_dir, cfg.trainer.timeline_steps, groups,
+                                     quiet_to=str(self.run_dir / "logs" / "driver_profiler.log"))
         self.on_resumed = None  # called with the step after resume (hybridflow/trainer/restart.py's log)
         self.on_step = None  # called with (step, metrics) after each step is logged (a launch.sweep trial reports)
         self.last_saved: Path | None = None  # this run's newest committed checkpoint (a restart resumes it)
@@ -395,7 +400,8 @@ class RayPPOTrainer:
                 history.append({"step": self.global_step, **m})
             while self.global_step < total:
                 self.global_step += 1
-                m = self.step()
+                with self.timeline.record(self.global_step):
+                    m = self.step()
                 if validating and V.should_validate(self.global_step, total, self.cfg.trainer.test_freq):
                     m.update(self.run_validation())  # logged with the step it validates, as verl does
                 tracker.log(m, self.global_step)

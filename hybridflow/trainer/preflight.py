@@ -192,6 +192,9 @@ def validate(cfg: HybridFlowConfig) -> None:
     if cfg.trainer.ray.address is None:  # a local run: the workers see this machine, so check the TE choice here
         resolved_transformer_impls(cfg)
     _validate_fault(cfg)
+    from hybridflow.trainer.timeline import check_timeline_keys
+
+    check_timeline_keys(cfg.trainer)
 
 
 def _validate_fault(cfg: HybridFlowConfig) -> None:
