@@ -318,6 +318,10 @@ class TrainerConfig:
     # verl's rule: the actor is updated at steps >= critic_warmup (steps count from 1), the critic at every step;
     # so critic_warmup=N gives N-1 critic-only steps first (0 and 1: none).
     critic_warmup: int = 0
+    # verl's key: before the forward passes, reorder the batch's rows so each of the actor's DP ranks gets
+    # about the same number of valid tokens (hybridflow/algorithms/seqlen_balance.py); advantages are keyed
+    # by uid, so the reorder changes only which rank computes which row.
+    balance_batch: bool = True
     test_freq: int = -1
     validation_data_dir: str | None = None  # write each validation's samples to <dir>/step_<N>.jsonl (verl's key)
     ray: RayConfig = field(default_factory=RayConfig)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, make_kl_controller
+from hybridflow.algorithms.seqlen_balance import balance_batch, balance_parts
 from hybridflow.config.load import to_dict
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
@@ -65,6 +66,23 @@ def device_peak_flops(cfg: HybridFlowConfig) -> tuple[float, str]:
         return M.known_peak_flops(torch.cuda.get_device_name()) or (989e12, "unknown GPU, H100 dense bf16 assumed")
     # One worker thread of an AVX2 core: 2 FMA units x 8 fp32 lanes x 2 flops x ~2.5 GHz.
     return 80e9, "one AVX2 core fp32 (estimate)"
+
+
+def dp_balance_parts(cfg: HybridFlowConfig) -> tuple[int, int]:
+    """(parts to balance, the actor's DP size) for trainer.balance_batch: DP = a role's processes over its
+    tp*pp*cp (hybridflow/parallel/dims.py's layout); parts also serve the critic's DP (balance_parts)."""
+    from hybridflow.trainer.preflight import placement_of
+
+    place = placement_of(cfg)
+
+    def dp(role, m):
+        return max(1, place.world(role) // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+                                            * m.context_parallel_size))
+
+    actor = dp("actor_rollout", cfg.actor_rollout_ref.actor.megatron)
+    critic = dp("critic", cfg.critic.megatron) if cfg.critic.enable and "critic" in place.role_pools else None
+    rows = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    return balance_parts(rows, actor, critic), actor
 
 
 def skips_old_log_prob(cfg: HybridFlowConfig) -> bool:
@@ -112,6 +130,7 @@ class RayPPOTrainer:
         self.on_resumed = None  # called with the step after resume (hybridflow/trainer/restart.py's log)
         self.on_step = None  # called with (step, metrics) after each step is logged (a launch.sweep trial reports)
         self.last_saved: Path | None = None  # this run's newest committed checkpoint (a restart resumes it)
+        self.balance_parts = dp_balance_parts(cfg)
 
     # ---------------------------------------------------------------- data
     def total_steps(self) -> int:
@@ -206,6 +225,10 @@ class RayPPOTrainer:
             scores, reward_metrics = self.compute_reward(batch)
             batch.batch["token_level_scores"] = scores
         metrics.update(reward_metrics)
+        if self.cfg.trainer.balance_batch:
+            # Row order is free here: advantages group rows by uid (GRPO/RLOO/...) or work per row (GAE), and
+            # every per-row tensor travels with its row; only which DP rank computes which row changes.
+            metrics.update(balance_batch(batch, *self.balance_parts))
         skip_old = self.skip_old_log_prob()
         if not skip_old:
             with timer("old_log_prob", timings):
