@@ -141,7 +141,8 @@ class MegatronEngine:
 
         self.transformer_impl = "local"  # build_role_engine records the resolved choice
         # Each micro-batch at its own longest row (False: the whole batch's width; tests compare the two).
-        self.trim_micro_batches = True
+        # HYBRIDFLOW_NO_TRIM=1 is a benchmark-only knob: launch.benchmark --ablation's "before trim" row.
+        self.trim_micro_batches = os.environ.get("HYBRIDFLOW_NO_TRIM") != "1"
         self.padding_fraction = 0.0  # of the last forward_only call (train_step returns its own)
         self.model = list(model)  # model chunks: one, or one per virtual pipeline stage (interleaved schedule)
         self.optimizer = optimizer

@@ -96,3 +96,58 @@ def test_gpu_check_script_parses_and_refuses_a_cpu_only_machine():
         proc = subprocess.run([sys.executable, str(repo / "launch" / "gpu_check.py")], capture_output=True, text=True,
                               timeout=120, cwd=repo)
         assert proc.returncode == 2 and "no CUDA device here; use --dry-run" in proc.stderr
+
+
+def test_perf_means_average_the_padding_and_imbalance_metrics_over_the_steps_that_report_them():
+    from launch.benchmark.run import perf_means
+
+    rows = [{"perf/padding_fraction/ref": 0.5, "perf/dp_token_imbalance": 1.2, "perf/throughput": 9.0},
+            {"perf/padding_fraction/ref": 0.25}]
+    assert perf_means(rows) == {"perf/padding_fraction/ref": 0.375, "perf/dp_token_imbalance": 1.2}
+
+
+def test_long_tail_lengths_and_their_summary():
+    from launch.benchmark.long_tail import MAX_LEN, MIN_LEN, length_summary, long_tail_lengths, percentile
+
+    lengths = long_tail_lengths(4000, seed=3)
+    assert lengths == long_tail_lengths(4000, seed=3) and MIN_LEN <= min(lengths) and max(lengths) == MAX_LEN
+    s = length_summary(lengths)
+    # Pareto(1) from 8: P(L >= x) = 8 / x, so the median is ~16, the 90th percentile ~80, ~6% at the cap of 128
+    assert 14 <= s["p50"] <= 18 and 65 <= s["p90"] <= 95 and 0.04 < s["at_cap"] / s["n"] < 0.08
+    # nearest rank, by hand
+    assert [percentile([1, 2, 3, 4], q) for q in (0, 25, 50, 90, 100)] == [1, 1, 2, 4, 4]
+    assert length_summary([9, 3, 128]) == {"n": 3, "min": 3, "p50": 9.0, "p90": 128.0, "max": 128, "mean": 140 / 3,
+                                           "at_cap": 1}
+    with pytest.raises(ValueError, match="no response lengths"):
+        length_summary([])
+
+
+def test_ablation_rows_differ_by_one_switch_each_and_keep_the_workload():
+    from launch.benchmark.long_tail import DYNAMIC, ablation_rows, base_overrides, render_markdown
+    from launch.benchmark.run import bench_overrides
+
+    rows = {r["name"]: r for r in ablation_rows(balance_available=True)}
+    assert rows["fixed, no trim"]["env"] == {"HYBRIDFLOW_NO_TRIM": "1"} and not rows["fixed (baseline)"]["env"]
+    assert rows["fixed (baseline)"]["overrides"] == ["trainer.balance_batch=false"]
+    assert rows["+ balance_batch"]["overrides"] == ["trainer.balance_batch=true"]
+    assert rows["+ dynamic bsz"]["overrides"] == ["trainer.balance_batch=false", *DYNAMIC]
+    assert rows["+ both"]["overrides"] == ["trainer.balance_batch=true", *DYNAMIC]
+    assert not any(r["pending"] for r in rows.values())
+    without = ablation_rows(balance_available=False)
+    assert [r["name"] for r in without if r["pending"]] == ["+ balance_batch", "+ both"]
+    assert not any("balance_batch" in o for r in without for o in r["overrides"])
+    table = render_markdown([{**without[2]}, {"name": "x", "summary": {
+        "tokens_per_s_per_device": 1234.5, "step_mean_s": 2.0, "padding_fraction": {"ref": 0.5},
+        "dp_token_imbalance": None}}]).splitlines()
+    assert table[2].startswith("| + balance_batch | pending |")
+    assert table[3] == "| x | 1,234 | 2.00 | - | - | - | - | 0.500 | - | - | - | - |"
+    # the workload loads: DP2, TP1, 128-token responses, a token budget the config check accepts
+    from hybridflow.config import checks
+    from hybridflow.config.load import load_config
+
+    assets = {"train": "runs/long_tail_assets/data/train.parquet", "model": "runs/long_tail_assets/sft_model"}
+    cfg = load_config("configs/ppo_tiny_cpu.yaml", bench_overrides([*base_overrides(assets), *DYNAMIC], 1, 1))
+    assert cfg.actor_rollout_ref.rollout.response_length == 128 and cfg.trainer.n_gpus_per_node == 2
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1
+    assert cfg.actor_rollout_ref.actor.use_dynamic_bsz and cfg.critic.use_dynamic_bsz
+    checks.token_budgets(cfg)  # raises on a budget below prompt + response

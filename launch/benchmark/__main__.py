@@ -21,9 +21,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="also write the result JSON to this file")
     ap.add_argument("--compare", nargs="+", metavar="RESULT", default=None,
                     help="result files (--out, or a benchmark's captured output) to print side by side")
+    ap.add_argument("--ablation", choices=["long_tail"], default=None,
+                    help="the before/after rows on the long-tailed workload (launch/benchmark/long_tail.py); "
+                         "no CONFIG")
     args = ap.parse_args(argv)
-    if args.compare is None and not args.config:
-        ap.error("give a CONFIG to run, or --compare RESULT ...")
+    if args.ablation and args.config:
+        ap.error("--ablation runs its own config (configs/ppo_tiny_cpu.yaml + the workload); give no CONFIG")
+    if args.compare is None and not args.config and not args.ablation:
+        ap.error("give a CONFIG to run, --ablation long_tail, or --compare RESULT ...")
     return args
 
 
@@ -42,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(compare(results))
         return 0
+    if args.ablation:
+        from launch.benchmark.long_tail import main as ablation_main
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return ablation_main(args.warmup, args.steps, args.out)
     from launch.benchmark.run import run_benchmark
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -93,6 +93,18 @@ def peak_memory(trainer) -> dict[str, dict]:
     return out
 
 
+# step metrics averaged into the result's "perf": padding per stage, DP token imbalance (and before balancing),
+# micro-batches per update
+PERF_PREFIXES = ("perf/padding_fraction/", "perf/dp_token_imbalance", "actor/num_micro_batches",
+                 "critic/num_micro_batches")
+
+
+def perf_means(rows: list[dict]) -> dict[str, float]:
+    """The mean over the timed steps of each PERF_PREFIXES metric that any of them reports."""
+    keys = sorted({k for r in rows for k in r if k.startswith(PERF_PREFIXES)})
+    return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
+
+
 def run_benchmark(config: str | None, overrides: list[str], warmup: int = 10, steps: int = 5) -> dict:
     """W warm-up steps, then S timed steps of the real job; the result the CLI prints as its last line."""
     import ray
@@ -123,6 +135,7 @@ def run_benchmark(config: str | None, overrides: list[str], warmup: int = 10, st
     devices = {role: place.world(role) for role in place.role_pools}
     epochs = {"actor": cfg.actor_rollout_ref.actor.ppo_epochs, "critic": cfg.critic.ppo_epochs}
     result = summarize(rows[warmup:], devices, params, epochs, place.n_devices, trainer.peak_flops)
+    result["perf"] = perf_means(rows[warmup:])
     recipe = Path(config).name if config else None
     published = None
     if recipe in RECIPE_PUBLISHED:
