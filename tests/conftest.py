@@ -30,3 +30,41 @@ def ray_cluster(tmp_path_factory):
              env_vars={"PYTHONPATH": pythonpath})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def observed_run(tmp_path_factory):
+    """The one tiny PPO run with prometheus, timeline, an injected NaN and the quiet console (observed_run.py)."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    from observed_run import run_observed
+
+    return run_observed(tmp_path_factory.mktemp("observed"))
+
+
+@pytest.fixture(scope="session")
+def warm_assets(tmp_path_factory):
+    """The tiny model after 80 warm-start steps (~8 s) and its reverse-task parquet files (256 train, 16 test):
+    greedy answers are partly right (val mean ~0.49), so generations and scores vary."""
+    from hybridflow.trainer.warmstart import prepare
+
+    return prepare(tmp_path_factory.mktemp("warm_assets"), sft_steps=80, train_size=256, test_size=16)
+
+
+# The plain 2-step colocated PPO job on warm_assets (8 prompts, one mini-batch, no validation, no saves).
+PLAIN_JOB = ("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+             "critic.ppo_mini_batch_size=8", "trainer.total_training_steps=2", "trainer.save_freq=-1")
+
+
+@pytest.fixture(scope="session")
+def plain_run(warm_assets, tmp_path_factory):
+    """PLAIN_JOB run once, the yardstick of test_e2e_validation.py (validating changes no training metric) and
+    test_e2e_placement.py (other placements and pools give colocate's metrics): (run dir, console log)."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    from test_e2e_trainer import _cmd, _run
+
+    root = tmp_path_factory.mktemp("plain")
+    _run(_cmd("ppo_tiny_cpu.yaml", root / "run", f"actor_rollout_ref.model.path={warm_assets['model']}",
+              f"data.train_files=[{warm_assets['train']}]", *PLAIN_JOB), root / "log")
+    return root / "run", root / "log"

@@ -13,19 +13,18 @@ import subprocess
 import sys
 
 import pytest
+from conftest import PLAIN_JOB
 from test_e2e_trainer import REPO, _cmd, _rows, _run
 
-SMALL_BATCH = ("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-               "critic.ppo_mini_batch_size=8", "trainer.save_freq=-1")
+# conftest's plain job (8 prompts, one mini-batch, no saves) without its step count: launch.benchmark sets its own
+SMALL_BATCH = tuple(x for x in PLAIN_JOB if not x.startswith("trainer.total_training_steps="))
 COMPARED = ("critic/score/mean", "critic/values/mean", "critic/rewards/mean", "actor/reward_kl_penalty",
             "critic/advantages/mean", "critic/vf_loss", "actor/pg_loss")
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from hybridflow.trainer.warmstart import prepare
-
-    return prepare(tmp_path_factory.mktemp("assets"), sft_steps=2, train_size=256, test_size=16)
+def assets(warm_assets):
+    return warm_assets
 
 
 def _job(assets) -> list[str]:
@@ -33,10 +32,10 @@ def _job(assets) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def colocate(assets, tmp_path_factory):
-    run = tmp_path_factory.mktemp("colocate")
-    _run(_cmd("ppo_tiny_cpu.yaml", run / "run", *_job(assets), "trainer.total_training_steps=2"), run / "log")
-    return _rows(run / "run"), (run / "log").read_text()
+def colocate(plain_run):
+    """conftest's plain colocated run of PLAIN_JOB (the same job as _job's): (rows, console log)."""
+    run, log = plain_run
+    return _rows(run), log.read_text()
 
 
 # Measured on this CPU: colocate and standalone give bit-identical metrics at both steps. Every role runs the

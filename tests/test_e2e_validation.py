@@ -36,24 +36,23 @@ COMPARED = ("critic/score/mean", "critic/values/mean", "critic/vf_loss", "actor/
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from hybridflow.trainer.warmstart import prepare
-
-    # 80 warm-start steps (~8 s): greedy answers are partly right (val mean ~0.49, scores 0.2 to 1), so the
+def assets(warm_assets):
+    # conftest's 80 warm-start steps: greedy answers are partly right (val mean ~0.49, scores 0.2 to 1), so the
     # comparison sees varied responses. After 2 steps every greedy answer is an immediate eos (all score 0).
-    return prepare(tmp_path_factory.mktemp("assets"), sft_steps=80, train_size=256, test_size=16)
+    return warm_assets
 
 
 @pytest.fixture(scope="module")
-def runs(assets, tmp_path_factory):
+def runs(assets, plain_run, tmp_path_factory):
+    """root/val: conftest's PLAIN_JOB validating before training and after every step; root/plain: the plain run."""
+    from conftest import PLAIN_JOB
+
     root = tmp_path_factory.mktemp("runs")
-    common = [f"actor_rollout_ref.model.path={assets['model']}", f"data.train_files=[{assets['train']}]",
-              "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-              "critic.ppo_mini_batch_size=8", "trainer.total_training_steps=2", "trainer.save_freq=-1"]
+    common = [f"actor_rollout_ref.model.path={assets['model']}", f"data.train_files=[{assets['train']}]", *PLAIN_JOB]
     validating = [f"data.val_files=[{assets['test']}]", "trainer.val_before_train=true", "trainer.test_freq=1",
                   f"trainer.validation_data_dir={root / 'val_dump'}"]
     _run(_cmd("ppo_tiny_cpu.yaml", root / "val", *common, *validating), root / "val.log")
-    _run(_cmd("ppo_tiny_cpu.yaml", root / "plain", *common), root / "plain.log")
+    (root / "plain").symlink_to(plain_run[0], target_is_directory=True)
     return root
 
 

@@ -179,8 +179,18 @@ def test_driver_killed_inside_a_save_resumes_on_relaunch(killed_run):
 
 @pytest.mark.fault
 @pytest.mark.slow
-def test_killed_run_ends_exactly_as_the_uninterrupted_one(killed_run, reference):
+def test_killed_run_ends_exactly_as_the_uninterrupted_one(killed_run, reference, assets):
     _assert_same_run(killed_run["run"], reference)
+    # and the data positions are an uninterrupted sampler's (an independent reference, not another run)
+    import pyarrow.parquet as pq
+
+    from hybridflow.data.sampler import ResumableSampler
+
+    sampler = ResumableSampler(pq.read_metadata(assets["train"]).num_rows, 8, seed=1, shuffle=True)
+    expected = [sampler.next_batch() for _ in range(STEPS)]
+    trace = [json.loads(x) for x in (killed_run["run"] / "data_trace.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in trace] == list(range(1, STEPS + 1))
+    assert [t["indices"] for t in trace] == expected
 
 
 @pytest.mark.fault
