@@ -114,3 +114,21 @@ def test_advantages_are_unchanged_by_the_reorder_up_to_row_order(estimator):
     assert metrics["perf/dp_token_imbalance_before"] == pytest.approx(imbalance(lengths, 4))
     after = imbalance([lengths[i] for i in order], 4)
     assert metrics["perf/dp_token_imbalance"] == pytest.approx(after) and after <= 1.1
+
+
+def test_with_balancing_off_the_imbalance_is_still_measured_and_nothing_moves():
+    from hybridflow.algorithms.seqlen_balance import measure_imbalance
+
+    lengths = [30, 2, 2, 2, 10, 10, 10, 10]  # by hand: shards of 4 rows hold 36 and 40 tokens, mean 38
+    batch = _batch(lengths)
+    assert measure_imbalance(batch, 2) == {"perf/dp_token_imbalance": pytest.approx(40 / 38)}
+    assert batch.batch["row"].tolist() == list(range(8))
+    assert measure_imbalance(_batch(lengths[:7]), 2) == {}  # does not split into 2 equal shards: not reported
+
+
+def test_the_ablation_table_shows_the_imbalance_before_balancing_beside_it():
+    from launch.benchmark.long_tail import imbalance_cell
+
+    assert imbalance_cell({"dp_token_imbalance": 1.3521}) == "1.352"
+    assert imbalance_cell({"dp_token_imbalance": 1.0, "dp_token_imbalance_before": 1.3521}) == "1.000 (1.352 before)"
+    assert imbalance_cell({"dp_token_imbalance": None}) == "-"

@@ -81,6 +81,12 @@ def balance_parts(n_rows: int, actor_dp: int, critic_dp: int | None = None) -> i
     return actor_dp
 
 
+def measure_imbalance(batch, report_dp: int) -> dict[str, float]:
+    """perf/dp_token_imbalance of `batch` as it stands (trainer.balance_batch off): what balancing would fix."""
+    lengths = [int(x) for x in batch.batch["attention_mask"].sum(-1).tolist()]
+    return {"perf/dp_token_imbalance": imbalance(lengths, report_dp)} if len(lengths) % report_dp == 0 else {}
+
+
 def balance_batch(batch, parts: int, report_dp: int) -> dict[str, float]:
     """Reorders `batch` (a DataProto) in place so `parts` equal consecutive shards hold about the same valid
     tokens (attention_mask sums: prompt + response); returns the imbalance over `report_dp` shards before and

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, make_kl_controller
-from hybridflow.algorithms.seqlen_balance import balance_batch, balance_parts
+from hybridflow.algorithms.seqlen_balance import balance_batch, balance_parts, measure_imbalance
 from hybridflow.config.load import to_dict
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
@@ -229,6 +229,8 @@ class RayPPOTrainer:
             # Row order is free here: advantages group rows by uid (GRPO/RLOO/...) or work per row (GAE), and
             # every per-row tensor travels with its row; only which DP rank computes which row changes.
             metrics.update(balance_batch(batch, *self.balance_parts))
+        else:  # measured anyway: the number that says whether turning it on would pay
+            metrics.update(measure_imbalance(batch, self.balance_parts[1]))
         skip_old = self.skip_old_log_prob()
         if not skip_old:
             with timer("old_log_prob", timings):

@@ -160,6 +160,14 @@ def row_summary(result: dict, lengths: list[int]) -> dict:
 
 
 
+def imbalance_cell(summary: dict) -> str:
+    """The step's DP token imbalance; with balancing on, what it was before too ("1.000 (1.352 before)")."""
+    after, before = summary.get("dp_token_imbalance"), summary.get("dp_token_imbalance_before")
+    if after is None:
+        return "-"
+    return f"{after:.3f}" + (f" ({before:.3f} before)" if before is not None else "")
+
+
 def render_markdown(rows: list[dict]) -> str:
     """The README table: a row per ablation row (pending rows say so)."""
     def f(x, fmt):
@@ -175,7 +183,7 @@ def render_markdown(rows: list[dict]) -> str:
             s = r["summary"]
             cells = [r["name"], f(s["tokens_per_s_per_device"], ",.0f"), f(s["step_mean_s"], ".2f"),
                      f(s.get("gen_s"), ".2f"), f(s.get("fwd_bwd_s"), ".2f"), f(s.get("actor_micro_batches"), ".1f"),
-                     *(f(s["padding_fraction"].get(st), ".3f") for st in PAD_STAGES), f(s["dp_token_imbalance"], ".3f")]
+                     *(f(s["padding_fraction"].get(st), ".3f") for st in PAD_STAGES), imbalance_cell(s)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
