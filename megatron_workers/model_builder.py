@@ -121,6 +121,7 @@ def read_hf_facts(cfg) -> HFModelFacts:
 
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+ATTENTION_BACKENDS = ("auto", "unfused")  # override_transformer_config.attention_backend (local spec)
 
 
 def _transformer_engine_usable() -> bool:
@@ -223,12 +224,27 @@ def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype =
     )
 
 
-def build_layer_spec(transformer_impl: str = "auto"):
+def build_layer_spec(transformer_impl: str = "auto", attention_backend: str = "auto"):
+    """TE's spec, or megatron's local spec whose core attention is torch's fused SDPA (auto) or megatron's
+    unfused DotProductAttention (attention_backend=unfused, which selective recompute is made for)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    key = "megatron.override_transformer_config.attention_backend"
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"{key}={attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
     if resolve_transformer_impl(transformer_impl)[0] == "transformer_engine":
+        if attention_backend != "auto":
+            raise ValueError(f"{key}={attention_backend} selects the local spec's attention; with "
+                             "megatron.transformer_impl=transformer_engine TE picks its own (use auto, or local)")
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention_backend == "auto":
+        # The local spec's DotProductAttention materialises the s x s scores; the same attention through
+        # torch's fused SDPA is exact for the engine's causal, unmasked batches and falls back otherwise.
+        from megatron_workers.sdpa_attention import SDPADotProductAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return spec
 
 
 def build_gpt_model(
@@ -246,11 +262,12 @@ def build_gpt_model(
 
     pre_process/post_process default to "this chunk is the first/last of the whole pipeline".
     share_embeddings defaults to the HF config's tie_word_embeddings. megatron_cfg: a MegatronConfig
-    (recompute and transformer_impl); None: no recompute, auto.
+    (recompute, attention_backend and transformer_impl); None: no recompute, auto.
     """
     config = build_transformer_config(hf_config, dims, dtype, megatron_cfg)  # validates before importing megatron
     facts = read_hf_facts(hf_config)
     impl = getattr(megatron_cfg, "transformer_impl", "auto")
+    attention = getattr(getattr(megatron_cfg, "override_transformer_config", None), "attention_backend", "auto")
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -267,7 +284,7 @@ def build_gpt_model(
         share_embeddings = facts.tie_word_embeddings
     model = GPTModel(
         config=config,
-        transformer_layer_spec=build_layer_spec(impl),
+        transformer_layer_spec=build_layer_spec(impl, attention),
         vocab_size=padded_vocab_size(facts.vocab_size, dims.tp),
         max_sequence_length=facts.max_position_embeddings,
         pre_process=pre_process,

@@ -98,6 +98,10 @@ def test_the_planner_reads_recompute_and_vpp_from_the_config():
     (["critic.megatron.override_transformer_config.recompute_granularity=fine"],
      r"critic.megatron.override_transformer_config.recompute_granularity='fine'"),
     ([f"{A}.transformer_impl=te"], rf"{A}.transformer_impl='te'; choose one of auto, local, transformer_engine"),
+    ([f"{OTC}.attention_backend=flash"], rf"{OTC}.attention_backend='flash'; choose one of auto, unfused"),
+    ([f"{OTC}.attention_backend=unfused", f"{A}.transformer_impl=transformer_engine"],
+     rf"{OTC}.attention_backend=unfused picks the local spec's attention; with {A}.transformer_impl="
+     r"transformer_engine only auto is accepted"),
 ])
 def test_bad_knobs_fail_before_ray_naming_the_key(local, overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -231,7 +231,7 @@ def test_documented_defaults_are_ours():
     ("actor_rollout_ref.actor.strategy=fsdp", r"'actor_rollout_ref.actor.strategy=fsdp' is refused.*Megatron only"),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=true",
      r"'actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True' is refused.*"
-     r"only the activation-recompute fields"),
+     r"only the activation-recompute fields and attention_backend"),
     ("~trainer.logger", r"Hydra's ~key"),
 ])
 def test_a_verl_key_with_another_meaning_here_is_refused_by_name(override, match):

@@ -20,14 +20,20 @@ class OverrideTransformerConfig:
                  (uniform: checkpoint every group of recompute_num_layers layers of a model chunk;
                   block: checkpoint the first recompute_num_layers layers of each model chunk);
       selective: recompute only the core attention (softmax(QK^T)V; megatron's recompute_modules=[core_attn]);
-                 method and num_layers must be unset. Works with the local spec's unfused attention (CPU and GPU);
-                 with Transformer Engine's fused attention there is little left to save.
+                 method and num_layers must be unset. Made for the unfused attention (attention_backend=unfused),
+                 which keeps the s x s scores for backward; the fused SDPA/TE attention keeps none, so there
+                 is little left to save.
+    attention_backend (Megatron-LM's name) picks the local spec's core attention: auto, torch's fused
+    scaled_dot_product_attention (flash-style kernels on CPU and CUDA, exact for causal batches; megatron's
+    own forward where it is not, e.g. an explicit mask); unfused, megatron's DotProductAttention
+    (baddbmm + softmax + bmm). With Transformer Engine's spec only auto is accepted.
     Checked at config time against the layers per model chunk (hybridflow.parallel.dims.check_recompute).
     """
 
     recompute_granularity: str | None = None  # null (off) | full | selective
     recompute_method: str | None = None  # uniform | block (full only)
     recompute_num_layers: int | None = None  # full only: 1 .. layers per model chunk
+    attention_backend: str = "auto"  # auto (fused SDPA on the local spec) | unfused (megatron's DotProductAttention)
 
 
 @dataclass

@@ -41,7 +41,7 @@ class Verdict:
 
 
 _MICRO = "verl's deprecated global micro-batch (verl divides it by the data-parallel size)"
-_RECOMPUTE_KEYS = "recompute_granularity, recompute_method, recompute_num_layers"
+_OVERRIDE_KEYS = "recompute_granularity, recompute_method, recompute_num_layers, attention_backend"
 _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
 
 RULES: tuple[Rule, ...] = (
@@ -65,8 +65,8 @@ RULES: tuple[Rule, ...] = (
     # ---- Megatron features not there yet. Activation recompute (override_transformer_config.recompute_*,
     # model.enable_gradient_checkpointing) and virtual_pipeline_model_parallel_size are schema keys now.
     Rule("*.megatron.override_transformer_config.*", REFUSED,
-         "only the activation-recompute fields of Megatron's TransformerConfig can be overridden here "
-         f"({_RECOMPUTE_KEYS}); other overrides (fusions, ...) are " + NOT_YET,
+         "only the activation-recompute fields and attention_backend of Megatron's TransformerConfig can be "
+         f"overridden here ({_OVERRIDE_KEYS}); other overrides (fusions, ...) are " + NOT_YET,
          "drop it; the recompute fields go under the same prefix "
          "(actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity and the like)"),
     Rule("*.megatron.override_ddp_config.*", REFUSED, "Megatron DDP config overrides are " + NOT_YET,

@@ -40,12 +40,18 @@ def _role_dims(key: str, m, world: int, hf_config: dict, pool: str | None = None
     if world % (tp * pp * cp):
         raise ValueError(f"{key} tp*pp*cp={tp}*{pp}*{cp}={tp * pp * cp} does not divide the size of its {where}")
     from hybridflow.parallel.dims import check_recompute
-    from megatron_workers.model_builder import TRANSFORMER_IMPLS
+    from megatron_workers.model_builder import ATTENTION_BACKENDS, TRANSFORMER_IMPLS
 
     if m.transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"{key}.transformer_impl={m.transformer_impl!r}; choose one of {', '.join(TRANSFORMER_IMPLS)}")
     model = ModelShape.from_hf_config(hf_config)
     o = m.override_transformer_config
+    if o.attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"{key}.override_transformer_config.attention_backend={o.attention_backend!r}; "
+                         f"choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if o.attention_backend != "auto" and m.transformer_impl == "transformer_engine":
+        raise ValueError(f"{key}.override_transformer_config.attention_backend={o.attention_backend} picks the local "
+                         f"spec's attention; with {key}.transformer_impl=transformer_engine only auto is accepted")
     try:
         dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel,
                             vpp=m.virtual_pipeline_model_parallel_size or 1).validate(world, model)
