@@ -96,4 +96,7 @@ def test_verl_loss_agg_modes_through_the_actor_update_match_the_whole_batch_loss
     # token-sum reports the per-token mean of the pg loss it sums (the sum depends on the batch size)
     expected_pg = ref["pg_loss"] / ref["loss_mask"].sum().item() if mode == "token-sum" else ref["pg_loss"]
     assert dp2["metrics"]["actor/pg_loss"] == pytest.approx(expected_pg, rel=1e-5)
-    assert _max_param_diff(ref["params"], dp2["params"]) < 1e-5
+    # Adam's first step is lr * g / (|g| + eps), which magnifies the fp32 rounding of near-zero
+    # gradients: two attention kernels (HF's masked SDPA, our causal SDPA) differ by ~1% of lr there,
+    # so the bound is 2% of lr (the update itself moves weights by ~lr = 1e-3).
+    assert _max_param_diff(ref["params"], dp2["params"]) < 2e-5

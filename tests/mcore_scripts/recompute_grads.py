@@ -17,7 +17,10 @@ SETTINGS = {
     "off": {},
     "full_uniform": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     "full_block": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2},
-    "selective": {"recompute_granularity": "selective"},
+    # Selective recompute is made for the unfused attention, which keeps the s x s scores for backward; the
+    # default fused SDPA keeps none. So it is measured there, against the same attention without recompute.
+    "off_unfused": {"attention_backend": "unfused"},
+    "selective": {"recompute_granularity": "selective", "attention_backend": "unfused"},
 }
 
 
