@@ -54,15 +54,19 @@ def test_bytes_per_param_match_megatron_distributed_optimizer_docs():
 def test_activation_formulas_follow_korthikanti_structure():
     shape = shape_from_hf_config("Meta-Llama-3-70B", KNOWN_CONFIGS["Meta-Llama-3-70B"], "table")
     s, b, t, e = 2048, 1, 8, 2
-    none = M.layer_activations(shape, t, False, s, b, e, "local", "none")
-    sp = M.layer_activations(shape, t, True, s, b, e, "local", "none")
+    none = M.layer_activations(shape, t, False, s, b, e, "local_unfused", "none")
+    sp = M.layer_activations(shape, t, True, s, b, e, "local_unfused", "none")
     # sequence parallel divides exactly the TP-replicated parts (norms, linear inputs) by t
     assert sp["norms"] == pytest.approx(none["norms"] / t) and sp["linear inputs"] == none["linear inputs"] / t
     assert sp["mlp"] == none["mlp"] and sp["attention s^2"] == none["attention s^2"]
     # the unfused s^2 term is elem * a * s^2 * b / t (+ a bool s^2 mask): Korthikanti's 5as^2b without dropout
     assert none["attention s^2"] == e * shape.num_heads * s * s * b / t + s * s
-    sel = M.layer_activations(shape, t, False, s, b, e, "local", "selective")
+    sel = M.layer_activations(shape, t, False, s, b, e, "local_unfused", "selective")
     assert sel["attention s^2"] == 0 and sel["mlp"] == none["mlp"]
+    # the default local attention (fused SDPA) keeps no s^2 term, and selective recompute has nothing to drop
+    sdpa = M.layer_activations(shape, t, False, s, b, e, "local", "none")
+    assert sdpa["attention s^2"] == 0 and sdpa["mlp"] == none["mlp"]
+    assert M.layer_activations(shape, t, False, s, b, e, "local", "selective") == sdpa
     # full recompute keeps 2sbh bytes (bf16) per layer, /t with SP (Korthikanti §5)
     assert M.layer_activations(shape, t, True, s, b, e, "te", "full") == {"layer input (full recompute)":
                                                                        2 * s * b * shape.hidden_size / t}
@@ -111,14 +115,21 @@ def test_state_bytes_equal_the_real_megatron_tensors(measured):
 def test_activation_estimate_within_20_percent_of_saved_tensors(measured):
     shape, ranks = measured
     for m in ranks[0]["activations"]:
-        layers = sum(M.layer_activations(shape, m["tp"], m["sp"], m["seq"], m["micro"], 4, "local",
+        profile = M.LOCAL_PROFILES[m["attention"]]
+        layers = sum(M.layer_activations(shape, m["tp"], m["sp"], m["seq"], m["micro"], 4, profile,
                                          m["recompute"]).values())
-        final_norm = M.head_activations(shape, m["tp"], m["sp"], m["seq"], m["micro"], 4, "local", False)["final norm"]
+        final_norm = M.head_activations(shape, m["tp"], m["sp"], m["seq"], m["micro"], 4, profile, False)["final norm"]
         predicted = layers * shape.num_layers + final_norm
         assert predicted == pytest.approx(m["bytes"], rel=0.20), m
-    by_mode = {(m["tp"], m["sp"], m["recompute"]): m["bytes"] for m in ranks[0]["activations"]}
-    assert by_mode[(2, False, "full")] < by_mode[(2, False, "selective")] < by_mode[(2, False, "none")]
-    assert by_mode[(2, True, "none")] < by_mode[(2, False, "none")] < by_mode[(1, False, "none")]
+    by_mode = {(m["tp"], m["sp"], m["recompute"], m["attention"]): m["bytes"] for m in ranks[0]["activations"]}
+    # selective recompute drops the unfused attention's s^2 tensors; full keeps only the layer inputs
+    assert by_mode[(2, False, "full", "auto")] < by_mode[(2, False, "selective", "unfused")] \
+        < by_mode[(2, False, "none", "unfused")]
+    # the fused SDPA keeps no s^2 tensor: less than the unfused attention, and no less than its selective recompute
+    assert by_mode[(2, False, "none", "auto")] < by_mode[(2, False, "none", "unfused")]
+    assert by_mode[(2, False, "selective", "auto")] == pytest.approx(by_mode[(2, False, "none", "auto")], rel=0.05)
+    assert by_mode[(2, True, "none", "auto")] < by_mode[(2, False, "none", "auto")] \
+        < by_mode[(1, False, "none", "auto")]
 
 
 # ---- recipes ------------------------------------------------------------------------------------------------------

@@ -52,6 +52,13 @@ def _role_dims(key: str, m, world: int, hf_config: dict, pool: str | None = None
     if o.attention_backend != "auto" and m.transformer_impl == "transformer_engine":
         raise ValueError(f"{key}.override_transformer_config.attention_backend={o.attention_backend} picks the local "
                          f"spec's attention; with {key}.transformer_impl=transformer_engine only auto is accepted")
+    if o.recompute_granularity == "selective" and o.attention_backend == "auto":
+        # tests/test_planner.py measures it: the fused attention keeps no s x s tensor, so the checkpoint
+        # saves nothing (it kept 1.7% more bytes) and only adds the attention's recompute to the backward.
+        log.warning("%s.override_transformer_config.recompute_granularity=selective recomputes the core attention, "
+                    "whose s x s scores the fused attention (attention_backend=auto: torch SDPA, or TE's) does "
+                    "not keep: it saves no memory here. Use attention_backend=unfused with it, or full recompute.",
+                    key)
     try:
         dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel,
                             vpp=m.virtual_pipeline_model_parallel_size or 1).validate(world, model)

@@ -21,7 +21,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu", default="h100", help="a100 | h100 | h200 (default h100)")
     ap.add_argument("--recompute", default="none", help="none | selective | full (Megatron activation recompute)")
     ap.add_argument("--virtual-pipeline", type=int, default=1, dest="vpp", help="virtual pipeline chunks per stage")
-    ap.add_argument("--kernels", default="te", help="te (GPU, Transformer Engine) | local (megatron local spec)")
+    ap.add_argument("--kernels", default="te", help="te (GPU, Transformer Engine) | local (megatron local spec; "
+                    "its attention follows the config's attention_backend) | local_unfused")
     ap.add_argument("--dtype", default=None, help="bf16 | fp32 (default: model.dtype, bf16 for auto)")
     ap.add_argument("--internode-gbps", type=float, default=None,
                     help="inter-node bandwidth per node in Gb/s (default: the device table's per-GPU NICs)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from hybridflow.config.schema import HybridFlowConfig, MegatronConfig
 from hybridflow.parallel.dims import GenerationDims, LayoutError, ParallelDims
 from launch.plan.devices import Device, get_device
-from launch.plan.memory import KERNEL_PROFILES, RECOMPUTE_MODES, dtype_key
+from launch.plan.memory import KERNEL_PROFILES, LOCAL_PROFILES, RECOMPUTE_MODES, dtype_key
 from launch.plan.shapes import Shape, resolve_shape
 
 
@@ -30,7 +30,7 @@ class Options:
     gpu: str = "h100"
     recompute: str = "none"  # none | selective | full (Megatron's recompute_granularity; full = uniform, 1 layer)
     vpp: int = 1  # virtual pipeline chunks per stage (interleaved 1F1B)
-    kernels: str = "te"  # te (GPU, Transformer Engine spec) | local (megatron-core local spec)
+    kernels: str = "te"  # te (GPU, Transformer Engine spec) | local (megatron-core local spec) | local_unfused
     dtype: str | None = None  # None: actor_rollout_ref.model.dtype, and bf16 for "auto" (a GPU plan)
     internode_gbps_per_node: float | None = None  # replaces the device table's network (e.g. the paper's testbed)
     max_num_seqs: int = 256  # vLLM's default concurrent sequences per engine (EngineArgs.max_num_seqs)
@@ -139,7 +139,9 @@ def kv_cache_bytes(rollout, shape: Shape, dtype: str, device: Device) -> int:
 
 
 def options_from_config(cfg: HybridFlowConfig, options: Options) -> Options:
-    """The actor's recompute and VPP from the config where the flags are at their defaults (flags win).
+    """The actor's recompute and VPP from the config where the flags are at their defaults (flags win), and on
+    the local spec the attention the config picks (`--kernels local` with attention_backend=unfused plans the
+    unfused attention's s^2 tensors).
 
     The planner models full recompute as megatron's uniform method with 1 layer per checkpoint."""
     from dataclasses import replace
@@ -153,6 +155,9 @@ def options_from_config(cfg: HybridFlowConfig, options: Options) -> Options:
         options = replace(options, recompute=granularity)
     if options.vpp == 1 and (m.virtual_pipeline_model_parallel_size or 1) > 1:
         options = replace(options, vpp=m.virtual_pipeline_model_parallel_size)
+    if options.kernels == "local":
+        options = replace(options, kernels=LOCAL_PROFILES.get(m.override_transformer_config.attention_backend,
+                                                              "local"))
     return options
 
 

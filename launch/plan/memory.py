@@ -39,7 +39,7 @@ class KernelProfile:
     with dropout, /t for the TP-split parts, all /t with sequence parallel)."""
 
     norm_saves_output: bool  # besides its input (and fp32 rstd), the norm keeps its normalised output
-    attention: str  # "flash": saves q, k, v (kv at GQA width), out, fp32 lse; "unfused": see below
+    attention: str  # "flash": saves q, k, v (kv at GQA width), out, fp32 lse; "sdpa", "unfused": see below
     ffn_tensors: int  # how many F-wide (per TP rank) tensors the SwiGLU MLP keeps
     source: str
 
@@ -50,12 +50,18 @@ KERNEL_PROFILES = {
     # bias-SwiGLU keeps the fc1 output (2F) and fc2 its input (F). Korthikanti's GPT adapted: dropout 0 (no masks),
     # SwiGLU 2F+F instead of GeLU 4h+4h, GQA k/v at num_kv_heads*head_dim. Not measured (no GPU in the CI).
     "te": KernelProfile(False, "flash", 3, "derived: Korthikanti 2022 §4 adapted to TE kernels, GQA, SwiGLU"),
-    # megatron-core local spec on CPU (torch RMSNorm, unfused DotProductAttention): the norm also keeps x*rstd;
-    # attention repeats k, v to all heads and keeps q, k, v, the softmax output (a*s^2*b) and a bool s^2 mask; the
-    # unfused glu keeps fc1's output, silu's output, the product's operand and fc2's input (5F). Measured with
-    # saved_tensors_hooks (tests/mcore_scripts/plan_measure.py).
-    "local": KernelProfile(True, "unfused", 5, "measured: megatron-core local spec, saved_tensors_hooks"),
+    # megatron-core local spec on CPU (torch RMSNorm): the norm also keeps x*rstd; the unfused glu keeps fc1's
+    # output, silu's output, the product's operand and fc2's input (5F). Its core attention is torch's fused SDPA
+    # (attention_backend=auto, megatron_workers/sdpa_attention.py): k, v repeated to all heads, q, its own output
+    # and the fp32 lse, no s^2 tensor. Measured with saved_tensors_hooks (tests/mcore_scripts/plan_measure.py).
+    "local": KernelProfile(True, "sdpa", 5, "measured: megatron-core local spec + fused SDPA, saved_tensors_hooks"),
+    # The same with megatron's unfused DotProductAttention (attention_backend=unfused): q, k, v (repeated), the
+    # softmax output (a*s^2*b) and a bool s^2 mask; what selective recompute is made for.
+    "local_unfused": KernelProfile(True, "unfused", 5,
+                                   "measured: megatron-core local spec, unfused attention, saved_tensors_hooks"),
 }
+# The profile a config's megatron.transformer_impl / attention_backend picks on the local spec (launch.plan).
+LOCAL_PROFILES = {"auto": "local", "unfused": "local_unfused"}
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Logits on the last stage: bf16/fp32 logits (param dtype) + the fp32 copy our vocab-parallel log-prob keeps.
 LOGIT_FP32_BYTES = 4
@@ -144,16 +150,24 @@ def layer_activations(shape: Shape, tp: int, sp: bool, seq: int, micro: int, ele
         return {"layer input (full recompute)": tokens * rep * h * elem}
     norms = 2 * tokens * rep * (h * elem * (2 if prof.norm_saves_output else 1) + 4)
     out = {"norms": norms, "linear inputs": 2 * tokens * rep * h * elem}
-    if prof.attention == "flash" or recompute == "selective":
+    if prof.attention == "unfused" and recompute != "selective":
+        # q, and k, v repeated to all heads; the softmax output (elem * a*s^2*b / t) and a bool s^2 mask
+        out["attention q,k,v"] = tokens * elem * 3 * q / tp
+        out["attention s^2"] = elem * a / tp * seq * seq * micro + seq * seq
+    elif prof.attention == "sdpa":
+        # SDPA keeps q, k and v repeated to all heads (sdpa_attention.py repeats them for the fused CPU kernel),
+        # its own output (before the copy linear_proj reads) and the fp32 lse. Selective recompute of a kernel
+        # that keeps no s^2 tensor has nothing to drop: measured it keeps 1.7% more (the checkpoint's inputs),
+        # so it is modelled as none.
+        out["attention q,k,v"] = tokens * elem * 4 * q / tp + tokens * 4 * a / tp
+        out["attention s^2"] = 0.0
+    else:
         # flash keeps q and k/v at GQA width (+ fp32 lse); the selective checkpoint of core attention keeps its
         # inputs q, k, v only (Megatron recomputes the rest: Korthikanti §5 removes the 5as^2b term)
         out["attention q,k,v"] = tokens * elem * (q + 2 * kv) / tp
         out["attention s^2"] = 0.0
         if prof.attention == "flash" and recompute != "selective":
             out["attention q,k,v"] += tokens * 4 * a / tp  # lse
-    else:  # unfused: q, and k, v repeated to all heads; softmax output (elem * a*s^2*b / t) and a bool s^2 mask
-        out["attention q,k,v"] = tokens * elem * 3 * q / tp
-        out["attention s^2"] = elem * a / tp * seq * seq * micro + seq * seq
     out["attention out"] = tokens * elem * q / tp  # linear_proj input (= flash's saved output)
     out["mlp"] = tokens * elem * prof.ffn_tensors * shape.ffn_hidden_size / tp
     return out

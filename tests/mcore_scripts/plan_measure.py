@@ -6,7 +6,8 @@ take one optimizer step (Adam state is created lazily), then count per rank
 - grads: bytes of the fp32 `main_grad` views DDP gives each parameter (and the padded grad buffer),
 - optimizer: bytes of every optimizer-state tensor (Adam moments, and main params that own their storage).
 Then the bytes the decoder saves for backward in one forward, seen by torch.autograd.graph.saved_tensors_hooks
-(each storage counted once, parameters excluded), for recompute none / selective / full.
+(each storage counted once, parameters excluded), for recompute none / selective / full, with the default
+fused SDPA attention and with megatron's unfused one.
 Each rank writes its numbers to <out>/rank<r>.json.
 """
 
@@ -97,10 +98,13 @@ def measure_state(hf_config: dict, tp: int, seed: int = 3) -> dict:
     return out
 
 
-def measure_activations(hf_config: dict, tp: int, sp: bool, recompute: str, seq: int, micro: int) -> int:
-    """Bytes saved for backward by one forward of the decoder (all layers) at [seq, micro, hidden]."""
+def measure_activations(hf_config: dict, tp: int, sp: bool, recompute: str, seq: int, micro: int,
+                        attention: str) -> int:
+    """Bytes saved for backward by one forward of the decoder (all layers) at [seq, micro, hidden], with the
+    local spec's core attention `attention` (attention_backend: auto = fused SDPA, unfused)."""
     from megatron.core import parallel_state
 
+    from hybridflow.config.schema import MegatronConfig, OverrideTransformerConfig
     from hybridflow.parallel.dims import ParallelDims
     from megatron_workers.model_builder import build_gpt_model
     from megatron_workers.parallel_init import init_model_parallel
@@ -118,7 +122,8 @@ def measure_activations(hf_config: dict, tp: int, sp: bool, recompute: str, seq:
     plain = builder.build_transformer_config
     builder.build_transformer_config = lambda *a, **k: dataclasses.replace(plain(*a, **k), **extra)
     try:
-        model = build_gpt_model(hf_config, dims)
+        model = build_gpt_model(hf_config, dims, megatron_cfg=MegatronConfig(
+            override_transformer_config=OverrideTransformerConfig(attention_backend=attention)))
     finally:
         builder.build_transformer_config = plain
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -146,11 +151,13 @@ def main() -> None:
     rank, world = init_distributed(timeout_s=120)
     hf_config = json.loads((Path(args.model) / "config.json").read_text())
     result = {"state": [measure_state(hf_config, tp) for tp in (world, 1)], "activations": []}
-    for tp, sp, recompute in ((world, False, "none"), (world, True, "none"), (world, False, "selective"),
-                              (world, False, "full"), (1, False, "none")):
-        nbytes = measure_activations(hf_config, tp, sp, recompute, args.seq, args.micro)
-        result["activations"].append(dict(tp=tp, sp=sp, recompute=recompute, seq=args.seq, micro=args.micro,
-                                          bytes=nbytes))
+    for tp, sp, recompute, attention in (
+            (world, False, "none", "auto"), (world, True, "none", "auto"), (world, False, "selective", "auto"),
+            (world, False, "full", "auto"), (1, False, "none", "auto"),
+            (world, False, "none", "unfused"), (world, False, "selective", "unfused")):
+        nbytes = measure_activations(hf_config, tp, sp, recompute, args.seq, args.micro, attention)
+        result["activations"].append(dict(tp=tp, sp=sp, recompute=recompute, attention=attention, seq=args.seq,
+                                          micro=args.micro, bytes=nbytes))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     torch.distributed.destroy_process_group()
