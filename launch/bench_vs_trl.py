@@ -17,7 +17,9 @@ the steps after the warm-up ones.
   TRL never enters the project venv); it writes the same per-step numbers to a JSON file.
 
 One JSON object per model size is printed, the largest model last, with
-hybridflow_tokens_per_s, trl_tokens_per_s and ratio (ours / TRL).
+hybridflow_tokens_per_s, trl_tokens_per_s and ratio (ours / TRL), and under "bound" what limits the ratio:
+each side's GFLOP/s in its training passes and in generation (weight matmuls only), torch's fp32 GEMM rate
+on this machine measured in the same run, and the ratio ours would reach with its training at that rate.
 """
 
 from __future__ import annotations
@@ -208,6 +210,43 @@ def run_trl(preset: str, model: Path, data: Path, steps: int, micro: int, thread
     return json.loads(result.read_text())
 
 
+# ----------------------------------------------------------------------------- what bounds the ratio
+
+
+def matmul_gflops(tokens: int, hidden: int, ffn: int, threads: int, rounds: int = 20) -> float:
+    """torch's fp32 GEMM rate on this machine for the model's MLP shape, [tokens, hidden] x [hidden, ffn]."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(tokens, hidden), torch.randn(hidden, ffn)
+        for _ in range(3):
+            a @ b
+        t = time.perf_counter()
+        for _ in range(rounds):
+            a @ b
+        return 2 * tokens * hidden * ffn * rounds / (time.perf_counter() - t) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def arithmetic(matmul_params: int, tokens: int, generated: int, train_s: float, gen_s: float) -> dict:
+    """GFLOP/s a side reached in its training passes and in generation, counting only the weight matmuls
+    (2 FLOPs per matmul parameter per token per forward; backward twice that; attention's s^2 work and the
+    optimizer left out, so these are lower bounds). Training is 4 forward-equivalents on both sides: the
+    reference forward, and the policy's forward + backward (one update, on-policy: no old-log-prob pass)."""
+    train = 4 * 2 * matmul_params * tokens
+    gen = 2 * matmul_params * generated
+    return {"train_gflop": round(train / 1e9, 1), "train_gflops_per_s": round(train / train_s / 1e9, 1),
+            "gen_gflops_per_s": round(gen / gen_s / 1e9, 1)}
+
+
+def model_facts(model_dir: Path) -> dict:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return {"hidden": cfg["hidden_size"], "ffn": cfg["intermediate_size"], "vocab": cfg["vocab_size"]}
+
+
 # ----------------------------------------------------------------------------- summary
 
 
@@ -274,7 +313,30 @@ def main(argv: list[str] | None = None) -> None:
                           "venv_install_s": stamp["install_s"]}
         if "hybridflow_tokens_per_s" in row and "trl_tokens_per_s" in row:
             row["ratio"] = round(row["hybridflow_tokens_per_s"] / row["trl_tokens_per_s"], 3)
+            row["bound"] = bound(row, model_facts(model))
         print(json.dumps(row), flush=True)
+
+
+def bound(row: dict, facts: dict) -> dict:
+    """Both sides' arithmetic rates against this machine's GEMM rate, measured now, and the ratio ours would
+    reach if its training passes ran at the 2-thread GEMM rate (generation and the rest as measured)."""
+    ours, trl = row["hybridflow"], row["trl"]
+    matmul_params = row["params"] - facts["vocab"] * facts["hidden"]  # the input embedding is a lookup
+    generated = PROMPTS_PER_STEP * GROUP * RESPONSE_TOKENS
+    t = ours["timing_s_median"]
+    ours_train = t["ref"] + t["update_actor"]
+    row_tokens = ours["tokens_per_step"] // (PROMPTS_PER_STEP * GROUP)
+    # GEMMs the size of each side's micro-batch: ours 8 rows a worker (LAYOUT), TRL's 16 on both threads
+    out = {"matmul_params": matmul_params,
+           "gemm_gflops_1_thread": round(matmul_gflops(8 * row_tokens, facts["hidden"], facts["ffn"], 1), 1),
+           "gemm_gflops_2_threads": round(matmul_gflops(16 * row_tokens, facts["hidden"], facts["ffn"], 2), 1),
+           "hybridflow": arithmetic(matmul_params, ours["tokens_per_step"], generated, ours_train,
+                                    ours["gen_s"]),
+           "trl": arithmetic(matmul_params, trl["tokens_per_step"], generated, trl["s_per_step"] - trl["gen_s"],
+                             trl["gen_s"])}
+    at_peak = ours["s_per_step"] - ours_train + out["hybridflow"]["train_gflop"] / out["gemm_gflops_2_threads"]
+    out["ratio_if_our_training_ran_at_gemm_rate"] = round(trl["s_per_step"] / at_peak, 3)
+    return out
 
 
 if __name__ == "__main__":

@@ -151,3 +151,26 @@ def test_ablation_rows_differ_by_one_switch_each_and_keep_the_workload():
     assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1
     assert cfg.actor_rollout_ref.actor.use_dynamic_bsz and cfg.critic.use_dynamic_bsz
     checks.token_budgets(cfg)  # raises on a budget below prompt + response
+
+
+# ---- launch/bench_vs_trl.py: what bounds the ratio ----------------------------------------------------------------
+def test_bench_vs_trl_arithmetic_and_ceiling_by_hand(monkeypatch):
+    from launch import bench_vs_trl as B
+
+    # 4 forward-equivalents x 2 FLOPs x 1e6 matmul params x 1000 tokens = 8 GFLOP in 2 s; 2 x 1e6 x 500 in 1 s
+    assert B.arithmetic(10**6, 1000, 500, train_s=2.0, gen_s=1.0) == {
+        "train_gflop": 8.0, "train_gflops_per_s": 4.0, "gen_gflops_per_s": 1.0}
+    monkeypatch.setattr(B, "matmul_gflops", lambda tokens, hidden, ffn, threads: 10.0 * threads)
+    params = 10**6 + 100 * 64  # the input embedding (vocab 100 x hidden 64) is not a matmul
+    tokens = B.PROMPTS_PER_STEP * B.GROUP * 150
+    row = {"params": params,
+           "hybridflow": {"tokens_per_step": tokens, "s_per_step": 30.0, "gen_s": 5.0,
+                          "timing_s_median": {"ref": 4.0, "update_actor": 20.0}},
+           "trl": {"tokens_per_step": tokens, "s_per_step": 33.0, "gen_s": 9.0}}
+    out = B.bound(row, {"hidden": 64, "ffn": 128, "vocab": 100})
+    train_gflop = 8 * 10**6 * tokens / 1e9
+    assert out["matmul_params"] == 10**6 and out["gemm_gflops_2_threads"] == 20.0
+    assert out["hybridflow"]["train_gflops_per_s"] == round(train_gflop / 24.0, 1)
+    assert out["trl"]["train_gflops_per_s"] == round(train_gflop / 24.0, 1)
+    # ours with its 24 s of training replaced by train_gflop at 20 GFLOP/s; gen and the rest (6 s) as measured
+    assert out["ratio_if_our_training_ran_at_gemm_rate"] == round(33.0 / (6.0 + round(train_gflop, 1) / 20.0), 3)
