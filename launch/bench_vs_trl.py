@@ -144,6 +144,8 @@ def our_overrides(model: Path, data: Path, run_dir: Path, steps: int, extra: lis
         f"{a}.actor.use_kl_loss=true", f"{a}.actor.kl_loss_coef={KL_COEF}", f"{a}.actor.kl_loss_type=low_var_kl",
         f"{a}.rollout.n={GROUP}", f"{a}.rollout.response_length={RESPONSE_TOKENS}", f"{a}.rollout.ignore_eos=true",
         f"{a}.rollout.temperature=1.0",
+        # TRL keeps no sampling log-probs (one on-policy update uses its own forward), so neither side does
+        f"{a}.rollout.calculate_log_probs=false",
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
         f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
         "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}",

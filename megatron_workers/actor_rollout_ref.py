@@ -174,7 +174,7 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
             loss = pg["pg_loss"] - cfg.entropy_coeff * entropy_agg
             metrics = {"pg_loss": pg["pg_loss"], "pg_clipfrac": pg["pg_clipfrac"], "ppo_kl": pg["ppo_kl"],
                        "pg_clipfrac_lower": pg["pg_clipfrac_lower"], "entropy": entropy_agg}
-            if on_policy:  # old_log_probs holds the rollout engine's log-probs: report the mismatch
+            if on_policy and "old_log_probs" in micro:  # the rollout engine's log-probs: report the mismatch
                 diff = (log_prob.detach() - get("old_log_probs")).abs()
                 metrics["rollout_logprob_diff"] = (diff * mask).sum() / mask.sum().clamp(min=1)
             if cfg.use_kl_loss:
@@ -192,7 +192,10 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
         if self.actor is None:
             raise RuntimeError(f"update_actor needs the actor; this worker's role is {self.role!r}")
         cfg = self.config.actor
+        on_policy = bool(data.meta_info.get("old_log_prob_from_update", False))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages"]
+        if on_policy and "old_log_probs" not in data.batch:  # rollout.calculate_log_probs=false: none to compare
+            keys.remove("old_log_probs")
         if cfg.use_kl_loss:
             keys.append("ref_log_prob")
         missing = [k for k in keys if k not in data.batch]
@@ -206,7 +209,6 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
         mini_batch = rows // dp_size
         response_length = data.batch["responses"].shape[1]
         temperature = float(data.meta_info.get("temperature", self.config.rollout.temperature))
-        on_policy = bool(data.meta_info.get("old_log_prob_from_update", False))
         loss_fn = self._policy_loss_fn(response_length, temperature, on_policy)
         count_fn = lambda micro: agg_count(micro, cfg.loss_agg_mode)
         _, sum_loss = micro_agg_mode(cfg.loss_agg_mode)

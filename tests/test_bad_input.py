@@ -200,6 +200,11 @@ VALIDATE_CASES = {
     "ray_timeout_zero": (["trainer.ray.timeout_s=0"], r"trainer.ray.timeout_s=0.0 must be > 0"),
     "reward_timeout_zero": (["custom_reward_function.timeout_s=0"],
                             r"custom_reward_function.timeout_s=0.0 must be > 0"),
+    "kl_in_reward_with_no_old_log_probs": (
+        ["actor_rollout_ref.recompute_old_log_prob=false", "algorithm.use_kl_in_reward=true",
+         "actor_rollout_ref.rollout.calculate_log_probs=false"],
+        r"recompute_old_log_prob=false with algorithm.use_kl_in_reward=true needs the rollout's log-probs: set "
+        r"actor_rollout_ref.rollout.calculate_log_probs=true"),
 }
 
 

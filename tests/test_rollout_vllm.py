@@ -145,3 +145,16 @@ def test_release_resume_on_cpu_keeps_working(engine, tok):
     rollout.release()
     rollout.resume()
     assert torch.equal(rollout.generate_sequences(prompts).batch["responses"], before)
+
+
+def test_without_log_probs_the_same_samples_and_no_log_prob_key(engine, tok):
+    """rollout.calculate_log_probs=false only drops the sampler's log-probs: the same seed draws the same tokens."""
+    rollout, _, _ = engine
+    meta = {"n": 3, "temperature": 0.8, "global_step": 5}  # the step fixes the call's seed: both calls draw alike
+    with_lp = rollout.generate_sequences(make_prompts(tok, texts=["hi", "0123"], meta_info=dict(meta)))
+    with config_set(rollout, calculate_log_probs=False):
+        without = rollout.generate_sequences(make_prompts(tok, texts=["hi", "0123"], meta_info=dict(meta)))
+    assert "rollout_log_probs" in with_lp.batch and "rollout_log_probs" not in without.batch
+    assert len({tuple(r) for r in without.batch["responses"].tolist()}) > 1  # sampled, not one greedy answer
+    for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(with_lp.batch[key], without.batch[key]), key

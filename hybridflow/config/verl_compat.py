@@ -129,6 +129,10 @@ DIFFERENCES: tuple[Difference, ...] = (
                "model already lives in host memory, so it is a logged no-op"),
     Difference("actor_rollout_ref.rollout.name", "vllm", "vllm or hf (HF generate, the reference); others are "
                "refused before Ray"),
+    Difference("actor_rollout_ref.rollout.calculate_log_probs", "False",
+               "on here: the rollout's log-probs give rollout/logprob_diff_* (the check that vLLM samples from the "
+               "weights being trained); off, vLLM skips them, and a KL penalty in the reward then gets an "
+               "old-log-prob pass"),
     Difference("actor_rollout_ref.rollout.gpu_memory_utilization", "0.5",
                "as verl on GPU, unless actor_rollout_ref.rollout.kv_cache_memory_bytes is set (it wins, as in "
                "vLLM); on CPU not used (logged once): the KV cache is kv_cache_memory_bytes, 256 MiB by default"),

@@ -78,7 +78,8 @@ class HFRollout(Rollout):
         ids = prompts.batch["input_ids"].to(self.device)
         mask = prompts.batch["attention_mask"].to(self.device)
         if len(prompts) == 0:
-            return assemble_rollout_output(prompts, [], [], s.n, s.response_length, self.pad_token_id)
+            return assemble_rollout_output(prompts, [], [] if self.config.calculate_log_probs else None, s.n,
+                                           s.response_length, self.pad_token_id)
         stop_ids = self._stop_ids(s)
         kwargs = dict(
             max_new_tokens=s.response_length,
@@ -119,7 +120,8 @@ class HFRollout(Rollout):
         num_tokens = sum(len(r) for r in responses)
         self.last_stats = {"seconds": elapsed, "response_tokens": num_tokens,
                            "tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0}
-        return assemble_rollout_output(prompts, responses, log_probs, s.n, s.response_length, self.pad_token_id)
+        return assemble_rollout_output(prompts, responses, log_probs if self.config.calculate_log_probs else None,
+                                       s.n, s.response_length, self.pad_token_id)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named full tensors into the model. Unknown names are an error; missing ones keep

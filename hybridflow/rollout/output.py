@@ -23,7 +23,7 @@ OUTPUT_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_
 def assemble_rollout_output(
     prompts: DataProto,
     responses: Sequence[Sequence[int]],
-    log_probs: Sequence[Sequence[float]],
+    log_probs: Sequence[Sequence[float]] | None,
     n: int,
     response_length: int,
     pad_token_id: int,
@@ -31,9 +31,13 @@ def assemble_rollout_output(
     """Builds the output of `Rollout.generate_sequences` (keys in hybridflow.rollout.base).
 
     responses[i * n + j] / log_probs[i * n + j]: sample j of prompt row i, each already cut after
-    its stop token and at most `response_length` long.
+    its stop token and at most `response_length` long. log_probs None (rollout.calculate_log_probs=false):
+    the output has no rollout_log_probs.
     """
     num_rows = len(prompts)
+    with_log_probs = log_probs is not None
+    if not with_log_probs:
+        log_probs = [()] * len(responses)
     if len(responses) != num_rows * n or len(log_probs) != num_rows * n:
         raise ValueError(f"rollout output: {num_rows} prompts x n={n} needs {num_rows * n} samples, "
                          f"got {len(responses)} responses and {len(log_probs)} log-prob lists")
@@ -54,11 +58,12 @@ def assemble_rollout_output(
     for i, (toks, lps) in enumerate(zip(responses, log_probs)):
         if len(toks) > response_length:
             raise ValueError(f"rollout output: sample {i} has {len(toks)} tokens > response_length={response_length}")
-        if len(lps) != len(toks):
+        if with_log_probs and len(lps) != len(toks):
             raise ValueError(f"rollout output: sample {i} has {len(toks)} tokens but {len(lps)} log-probs")
         if toks:
             resp[i, : len(toks)] = torch.as_tensor(list(toks), dtype=prompt_ids.dtype)
-            resp_logp[i, : len(toks)] = torch.as_tensor(list(lps), dtype=torch.float32)
+            if with_log_probs:
+                resp_logp[i, : len(toks)] = torch.as_tensor(list(lps), dtype=torch.float32)
         lengths[i] = len(toks)
 
     steps = torch.arange(response_length)
@@ -75,8 +80,9 @@ def assemble_rollout_output(
         "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
         "position_ids": torch.cat([prompt_pos, response_pos], dim=1),
         "response_mask": response_mask,
-        "rollout_log_probs": resp_logp,
     }
+    if with_log_probs:
+        generated["rollout_log_probs"] = resp_logp
     extra = {k: v for k, v in rows.batch.items() if k not in generated}
     return DataProto(batch={**generated, **extra}, non_tensor_batch=dict(rows.non_tensor_batch),
                      meta_info=dict(prompts.meta_info))

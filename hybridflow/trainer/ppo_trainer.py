@@ -93,7 +93,11 @@ def skips_old_log_prob(cfg: HybridFlowConfig) -> bool:
         return False
     if mode in ("false", "0"):
         return True
-    # auto: one epoch over one mini-batch is exactly on-policy, so the update's own forward is old_log_prob.
+    # auto: one epoch over one mini-batch is exactly on-policy, so the update's own forward is old_log_prob;
+    # except that a KL penalty in the reward needs old log-probs before the update, which then come from the
+    # rollout's (rollout.calculate_log_probs) or from the pass.
+    if cfg.algorithm.use_kl_in_reward and not a.rollout.calculate_log_probs:
+        return False
     return a.actor.ppo_epochs == 1 and a.actor.ppo_mini_batch_size == cfg.data.train_batch_size
 
 class RayPPOTrainer:
@@ -239,8 +243,11 @@ class RayPPOTrainer:
                 metrics["actor/entropy_rollout"] = float(
                     (old.batch["entropys"] * batch.batch["response_mask"]).sum() / batch.batch["response_mask"].sum())
         else:
-            # On-policy single update: the update computes the ratio against its own detached forward.
-            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            # On-policy single update: the update computes the ratio against its own detached forward. The
+            # rollout's log-probs, where computed, stand in until then (the KL penalty in the reward reads them,
+            # and the update reports their distance to its forward).
+            if "rollout_log_probs" in batch.batch:
+                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
             batch.meta_info["old_log_prob_from_update"] = True
         if self.use_ref:
             with timer("ref", timings):

@@ -150,6 +150,7 @@ def validate(cfg: HybridFlowConfig) -> None:
             raise FileNotFoundError(f"data.train_files: {f} does not exist")
     get_adv_estimator(cfg.algorithm.adv_estimator)
     _validate_loss_names(cfg)
+    _validate_old_log_prob(cfg)
     from hybridflow.rollout.base import ENGINES
 
     if a.rollout.name not in ENGINES:
@@ -241,6 +242,16 @@ def _validate_loss_names(cfg: HybridFlowConfig) -> None:
                         ("critic.loss_scale_factor", cfg.critic.loss_scale_factor)):
         if factor is not None and not factor > 0:
             raise ValueError(f"{key}={factor} must be > 0 (or null: the padded response length, as verl)")
+
+
+def _validate_old_log_prob(cfg: HybridFlowConfig) -> None:
+    """A skipped old-log-prob pass leaves the KL penalty in the reward only the rollout's log-probs to read."""
+    a = cfg.actor_rollout_ref
+    if (str(a.recompute_old_log_prob).lower() in ("false", "0") and cfg.algorithm.use_kl_in_reward
+            and not a.rollout.calculate_log_probs):
+        raise ValueError("actor_rollout_ref.recompute_old_log_prob=false with algorithm.use_kl_in_reward=true needs "
+                         "the rollout's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true, or "
+                         "recompute_old_log_prob=auto")
 
 
 def _validate_verl_shared_keys(cfg: HybridFlowConfig) -> None:
