@@ -60,7 +60,7 @@ KERNEL_PROFILES = {
     "local_unfused": KernelProfile(True, "unfused", 5,
                                    "measured: megatron-core local spec, unfused attention, saved_tensors_hooks"),
 }
-# The profile a config's megatron.transformer_impl / attention_backend picks on the local spec (launch.plan).
+# The profile a config's override_transformer_config.attention_backend picks on the local spec (launch.plan).
 LOCAL_PROFILES = {"auto": "local", "unfused": "local_unfused"}
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Logits on the last stage: bf16/fp32 logits (param dtype) + the fp32 copy our vocab-parallel log-prob keeps.

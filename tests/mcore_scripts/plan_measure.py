@@ -14,7 +14,6 @@ Each rank writes its numbers to <out>/rank<r>.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -112,20 +111,12 @@ def measure_activations(hf_config: dict, tp: int, sp: bool, recompute: str, seq:
     world = torch.distributed.get_world_size()
     dims = ParallelDims(tp=tp, dp=world // tp, sp=sp)
     init_model_parallel(dims, seed=5)
-    import megatron_workers.model_builder as builder
-
-    extra = {}
-    if recompute != "none":  # Megatron's own recompute, as --recompute-granularity would set it
-        extra = {"recompute_granularity": recompute}
-        if recompute == "full":
-            extra.update(recompute_method="uniform", recompute_num_layers=1)
-    plain = builder.build_transformer_config
-    builder.build_transformer_config = lambda *a, **k: dataclasses.replace(plain(*a, **k), **extra)
-    try:
-        model = build_gpt_model(hf_config, dims, megatron_cfg=MegatronConfig(
-            override_transformer_config=OverrideTransformerConfig(attention_backend=attention)))
-    finally:
-        builder.build_transformer_config = plain
+    # Megatron's own recompute, as the trainer sets it from override_transformer_config (full: uniform, 1 layer)
+    recompute_keys = {} if recompute == "none" else {"recompute_granularity": recompute}
+    if recompute == "full":
+        recompute_keys.update(recompute_method="uniform", recompute_num_layers=1)
+    model = build_gpt_model(hf_config, dims, megatron_cfg=MegatronConfig(override_transformer_config=(
+        OverrideTransformerConfig(attention_backend=attention, **recompute_keys))))
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     h = hf_config["hidden_size"]
     s_local = seq // tp if sp else seq
