@@ -19,6 +19,11 @@ How the patches stay narrow:
   `tensor.cuda()`. Only for the duration of those specific functions does
   `Tensor.type()` report CPU tensors with the CUDA name / `Tensor.cuda()`
   leave the tensor on the CPU.
+- Coalesced collectives. gloo runs a coalesced all-gather of buffers with
+  different dtypes wrongly; megatron coalesces the distributed optimizer's
+  param all-gather over its bf16 and fp32 (norm) buffers, so bf16 training
+  scrambled every parameter on its first step. The buffer module's
+  synchronous collectives run one by one instead.
 - The sequence-parallel norm. This one is not about CUDA: the local layer
   spec falls back to `WrappedTorchNorm` whenever apex is missing (the GPU box
   has no apex either), and that wrapper refuses sequence parallel although a
@@ -72,6 +77,7 @@ def apply_cpu_compat() -> list[str]:
         _patch_cuda_device_requests()
         _patch_rng_helpers()
         _patch_scoped_tensor_methods()
+        _patch_gloo_mixed_dtype_coalescing()
     return applied_patches
 
 
@@ -302,7 +308,44 @@ def _patch_scoped_tensor_methods() -> None:
 
 
 # ---------------------------------------------------------------------------
-# 4. Sequence parallel with the local spec's torch norm.
+# 4. gloo's coalesced all-gather over tensors of different dtypes.
+# ---------------------------------------------------------------------------
+
+
+class _NoWork:
+    """The handle of collectives that already ran synchronously."""
+
+    def wait(self):
+        return None
+
+
+def _patch_gloo_mixed_dtype_coalescing() -> None:
+    """param_and_grad_buffer.py start_param_sync: `with _coalescing_manager(group): all_gather_into_tensor(...)` per
+    bucket. With bf16 params the distributed optimizer has a bf16 and an fp32 buffer (our torch norms keep fp32
+    weights), and gloo's coalesced all-gather of mixed dtypes returns interleaved garbage (torch 2.13, measured
+    at 1 and 2 ranks: [0, 1, 2, 3] came back as [0, 0, 0, 1]); same-dtype coalescing is exact. Without it every
+    bf16 parameter was overwritten after the first optimizer step. Synchronous calls (no overlap, which stays off
+    on CPU: optimizer.wrap_ddp) therefore run one by one; async ones keep torch's manager."""
+    module = _import_or_none("megatron.core.distributed.param_and_grad_buffer")
+    real = getattr(module, "_coalescing_manager", None)
+    if real is None or getattr(real, "_hybridflow_cpu_compat", False):
+        return
+
+    @contextlib.contextmanager
+    def one_by_one(group=None, device=None, async_ops=False):
+        if async_ops:
+            with real(group, device=device, async_ops=True) as cm:
+                yield cm
+        else:
+            yield _NoWork()
+
+    one_by_one._hybridflow_cpu_compat = True
+    module._coalescing_manager = one_by_one
+    applied_patches.append("gloo-coalescing:param_and_grad_buffer._coalescing_manager")
+
+
+# ---------------------------------------------------------------------------
+# 5. Sequence parallel with the local spec's torch norm.
 # ---------------------------------------------------------------------------
 
 

@@ -419,14 +419,11 @@ class MegatronEngine:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """ModelConfig.dtype -> torch dtype; 'auto' is bf16 on GPU and fp32 on CPU."""
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if name not in table:
-        raise ValueError(f"model.dtype={name!r} is not one of {['auto', *table]}")
-    return table[name]
+    """ModelConfig.dtype -> torch dtype for this process (hybridflow.precision: 'auto' is bf16 on GPU and on CPUs
+    with native bf16, fp32 elsewhere)."""
+    from hybridflow.precision import resolve_local
+
+    return resolve_local(name)
 
 
 def init_megatron(megatron_cfg, timeout_s: float | None = None):

@@ -43,7 +43,9 @@ class ScalarHead(torch.nn.Module):
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
-        return F.linear(hidden_states, self.weight), None
+        # In fp32 whatever the params' dtype, as the log-probs are: values and the value loss then carry no bf16
+        # rounding of their own (the product is hidden -> 1, so the upcast costs nothing).
+        return F.linear(hidden_states.float(), self.weight.float()), None
 
 
 def attach_scalar_head(model, weight: torch.Tensor | None = None) -> ScalarHead | None:

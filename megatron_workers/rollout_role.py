@@ -41,18 +41,18 @@ class RolloutRole:
 
             self.hybrid = HybridEngine(self.dims, GenerationDims(cfg.tensor_model_parallel_size), self.actor.model,
                                        read_hf_config(path), bucket_bytes=cfg.reshard_bucket_bytes)
-            self.rollout = VLLMRollout(path, cfg, group_order=self.hybrid.group_order)
+            self.rollout = VLLMRollout(path, cfg, dtype=self.config.model.dtype, group_order=self.hybrid.group_order)
             self.hybrid.verify_groups()
             replica, replicas, tp_rank = self.rollout.replica_rank, self.rollout.num_replicas, self.rollout.tp_rank
         elif cfg.name == "hf":
             if cfg.tensor_model_parallel_size != 1:
                 raise ValueError("actor_rollout_ref.rollout.name=hf runs one full model per rank: "
                                  f"tensor_model_parallel_size must be 1, got {cfg.tensor_model_parallel_size}")
-            from transformers import AutoModelForCausalLM
-
+            from hybridflow.precision import resolve_local
             from hybridflow.rollout.hf_rollout import HFRollout
 
-            self.rollout = HFRollout(AutoModelForCausalLM.from_pretrained(path), cfg)
+            dtype = resolve_local(self.config.model.dtype, "actor_rollout_ref.model.dtype")
+            self.rollout = HFRollout(path, cfg, dtype=dtype)
             replica, replicas, tp_rank = self.rank, self.world_size, 0
         else:
             from hybridflow.rollout.base import ENGINES

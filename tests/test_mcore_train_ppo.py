@@ -72,6 +72,45 @@ def test_single_process_update_matches_hf_and_adamw(runs, tiny):
     assert _max_param_diff(ref["params"], single["params"]) < 1e-5
 
 
+@pytest.fixture(scope="module")
+def bf16_run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ppo_bf16") / "bf16.pt"
+    run_torchrun("train_ppo_step.py", 1, ["--model", str(tiny), "--out", str(out), "--dtype", "bfloat16"])
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_bf16_update_keeps_fp32_main_params_that_move_like_hf_adamw(bf16_run, runs, tiny):
+    """The GPU's precision path: bf16 params, fp32 main params and Adam state in the distributed optimizer, grads
+    reduced in fp32, log-probs and the loss in fp32 from bf16 logits. One update against HF + AdamW in fp32.
+
+    Bounds (measured 2026-12-04 in brackets): log-probs within 1e-2 of HF fp32 (2.6e-3); grad norm within 1%
+    (0.13%). Adam's first step moves each weight by about lr times the sign of its gradient, so the bf16 update
+    is compared as an update, from the bf16-rounded start: per tensor the mean |ours - HF| <= 0.1 lr (0.031 lr);
+    where HF moved a weight by more than lr/2, at most 5% move the other way (1.6%, bf16 noise on tiny gradients).
+    Before the gloo coalescing fix (megatron_workers/cpu_compat.py) every parameter was scrambled on this step."""
+    single, _ = runs
+    ref = hf_ppo_update(tiny, single)
+    mask = ref["mask"].bool()
+    lr = single["metrics"]["actor/lr"]
+    assert (bf16_run["old_log_probs"] - ref["log_prob"])[mask].abs().max() < 1e-2
+    assert bf16_run["old_log_probs"].dtype == torch.float32
+    assert bf16_run["metrics"]["actor/grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2)
+    init, main = hf_state(tiny), bf16_run["main_params"]
+    assert set(main) == set(init)
+    for name, m in main.items():
+        assert m.dtype == torch.float32, name
+        # the model's params are the main params rounded (norm weights stay fp32 in megatron's local spec)
+        model = bf16_run["params"][name]
+        assert torch.equal(model, m.to(model.dtype)), name
+        ours, hf = m - init[name].to(torch.bfloat16).float(), ref["params"][name] - init[name]
+        assert (ours - hf).abs().mean() <= 0.1 * lr, name
+        moved = hf.abs() > 0.5 * lr
+        assert moved.any(), name
+        assert (ours.sign() != hf.sign())[moved].float().mean() <= 0.05, name
+    assert any(bf16_run["params"][n].dtype == torch.bfloat16 for n in main)
+
+
 # DP=2, two micro-batches of 2 rows per rank: rows 2 and 3 (rank 0's second micro-batch) are filtered
 # samples (response_mask all 0), so one micro-batch has nothing to count.
 DROP_ROWS = (2, 3)

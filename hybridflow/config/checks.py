@@ -78,12 +78,9 @@ def tokenizer_dir(key: str, path: str) -> None:
 
 
 def model_dtype(key: str, name: str) -> None:
-    from megatron_workers.engine import resolve_dtype
+    from hybridflow.precision import canonical
 
-    try:
-        resolve_dtype(name)
-    except ValueError as e:
-        raise ValueError(f"{key.rsplit('.model.dtype', 1)[0]}.{e}") from None  # "<role>.model.dtype=... is not"
+    canonical(name, key)
 
 
 def optim(key: str, o, total_steps: int | None) -> None:

@@ -52,9 +52,9 @@ class MegatronConfig:
     # | auto (TE when it imports and CUDA is present, local otherwise). The choice is logged at start-up.
     transformer_impl: str = "auto"
     override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)
-    # Precision: model.dtype picks the params' dtype (auto: bf16 on GPU, fp32 on CPU). With bf16 the
-    # distributed optimizer keeps fp32 main params and Adam state and reduces grads in fp32 (megatron's
-    # DDP grad_reduce_in_fp32); with fp32 params (the CPU default) everything is fp32.
+    # Precision: model.dtype picks the params' dtype (auto: bf16 on GPU and on CPUs with amx_bf16/avx512_bf16,
+    # fp32 elsewhere). With bf16 the optimizer keeps fp32 main params and Adam state and grads are reduced in
+    # fp32 (megatron's DDP grad_reduce_in_fp32); with fp32 params everything is fp32.
     use_distributed_optimizer: bool = True
     param_offload: bool = False
     grad_offload: bool = False
@@ -78,7 +78,7 @@ class OptimConfig:
 class ModelConfig:
     path: str = ""  # an HF directory: config.json, *.safetensors, tokenizer files
     tokenizer_path: str | None = None
-    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    dtype: str = "auto"  # auto: bf16 on GPU and on CPUs with native bf16, fp32 elsewhere (hybridflow/precision.py)
     # verl's switch for activation recompute. true: the role's megatron.override_transformer_config gets
     # full / uniform / 1 layer (every layer recomputed), unless it sets recompute_granularity itself, which wins.
     # Applied by hybridflow.trainer.main.validate (so the run's config.yaml shows the recompute used).
@@ -298,6 +298,9 @@ class TrainerConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 2  # on CPU: worker processes per node
     device: str = "auto"  # auto | cpu | cuda
+    # An explicit bf16 *.model.dtype on a CPU without native bf16 (amx_bf16 / avx512_bf16) is refused, since it
+    # runs emulated and slower than fp32; true runs it anyway, with the slowdown measured and logged.
+    force_slow_bf16: bool = False
     total_epochs: int = 1
     total_training_steps: int | None = None
     save_freq: int = -1

@@ -59,7 +59,8 @@ class VLLMRollout(Rollout):
         model_path: HF directory (config, safetensors, tokenizer). Its weights are the initial
             ones; call `load_weights` to replace them.
         config: the rollout config (t_g, sampling, kv_cache_memory_bytes, seed).
-        dtype: "auto" = float32 on CPU, bfloat16 on GPU.
+        dtype: the actor's model.dtype; "auto" as hybridflow.precision resolves it (bf16 on GPU and on CPUs with
+            native bf16), so the rollout samples from the weights the trainer holds.
         max_model_len: prompt + response limit; default: the model's max_position_embeddings.
         threads: torch threads for this rank on CPU; default: this rank's share of the CPUs.
         group_order: a context manager (or a zero-argument callable returning one) entered
@@ -99,6 +100,7 @@ class VLLMRollout(Rollout):
         # Imported here: vLLM's import costs ~13 s and must come after the env is prepared.
         import vllm
 
+        from hybridflow.precision import resolve as resolve_dtype
         from hybridflow.rollout.vllm_logs import quiet_routine_reload_logs
 
         quiet_routine_reload_logs()  # its per-step reload lines would bury the driver's progress bar
@@ -125,7 +127,7 @@ class VLLMRollout(Rollout):
         kwargs = dict(
             model=self.model_path,
             tokenizer=self.model_path,
-            dtype=("bfloat16" if on_gpu else "float32") if dtype == "auto" else dtype,
+            dtype=resolve_dtype(dtype, "cuda" if on_gpu else "cpu", "actor_rollout_ref.model.dtype"),
             tensor_parallel_size=t_g,
             distributed_executor_backend="uni" if self.independent_replicas else "external_launcher",
             **memory,

@@ -194,6 +194,7 @@ def validate(cfg: HybridFlowConfig) -> None:
         checks.update_batches("critic", c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu, a.rollout.n,
                               critic_dims.dp, rows, dynamic=c.use_dynamic_bsz)
         checks.optim("critic.optim", c.optim, steps)
+    _validate_precision(cfg)  # after critic.enable is known
     checks.token_budgets(cfg)  # after critic.enable is known
     checks.resume(cfg)  # after critic.enable is known: a critic run needs the checkpoint's critic
     checks.reward_fn(cfg.custom_reward_function)
@@ -209,6 +210,33 @@ def validate(cfg: HybridFlowConfig) -> None:
     from hybridflow.trainer.timeline import check_timeline_keys
 
     check_timeline_keys(cfg.trainer)
+
+
+def _validate_precision(cfg: HybridFlowConfig) -> dict[str, str]:
+    """Every role's dtype for the driver's device (trainer.device, or CUDA if the driver sees it), refused with
+    the key named where this code or this CPU cannot run it (hybridflow.precision.check_roles); logged once."""
+    from hybridflow import precision as P
+
+    device = cfg.trainer.device
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"trainer.device={device!r}; choose one of auto, cpu, cuda")
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    roles = {"actor_rollout_ref.model.dtype": (cfg.actor_rollout_ref.model.dtype, True)}
+    if cfg.critic.enable:
+        roles["critic.model.dtype"] = (cfg.critic.model.dtype, True)
+    if cfg.reward_model.enable:
+        roles["reward_model.model.dtype"] = (cfg.reward_model.model.dtype, False)
+    resolved = P.check_roles(roles, device, force_slow_bf16=cfg.trainer.force_slow_bf16)
+    emulated = [k for k, d in resolved.items() if d == "bfloat16" and device == "cpu" and not P.cpu_bf16_flag()]
+    if emulated:
+        log.warning("%s: bf16 on a CPU without native bf16 (trainer.force_slow_bf16=true): a bf16 matmul measured "
+                    "%.2fx the fp32 speed here", ", ".join(emulated), P.measured_bf16_slowdown())
+    log.info("precision: %s", ", ".join(f"{k.removesuffix('.model.dtype')} "
+                                        f"{P.why(roles[k][0], device)}" for k in resolved))
+    return resolved
 
 
 def _validate_fault(cfg: HybridFlowConfig) -> None:

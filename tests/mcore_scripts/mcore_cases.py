@@ -84,11 +84,12 @@ def make_batch(vocab_size: int, seed: int = 0, batch: int = 4, seq: int = 13):
     return ids, mask
 
 
-def hf_reference(model_dir, input_ids, attention_mask):
-    """HF transformers log p(token k | tokens < k) and the entropy of that distribution, [b, s-1], fp32."""
+def hf_reference(model_dir, input_ids, attention_mask, dtype=torch.float32):
+    """HF transformers log p(token k | tokens < k) and the entropy of that distribution, [b, s-1], fp32
+    (from logits computed in `dtype`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits

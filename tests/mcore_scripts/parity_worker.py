@@ -109,6 +109,7 @@ def main():
     p.add_argument("--export-dir")
     p.add_argument("--export-shard-bytes", type=int, default=2 * 1024**3)
     p.add_argument("--train-step", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's params dtype")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -125,7 +126,7 @@ def main():
     vocab = cfg["vocab_size"]
 
     t = time.perf_counter()
-    model = model_builder.build_gpt_model(cfg, dims)
+    model = model_builder.build_gpt_model(cfg, dims, dtype=getattr(torch, args.dtype))
     times["build"] = time.perf_counter() - t
     t = time.perf_counter()
     load_stats = hf_io.load_hf_into_mcore([model], args.hf_dir)

@@ -58,11 +58,12 @@ def ppo_inputs(batch: dict, old_log_probs: torch.Tensor, ref_log_prob: torch.Ten
 
 
 def actor_config(model_dir, tp: int = 1, pp: int = 1, sp: bool = False, lr: float = 1e-3, mini_batch: int = 8,
-                 micro_batch: int = 2, dist_opt: bool = True, loss_agg_mode: str = "token-mean", **optim) -> dict:
+                 micro_batch: int = 2, dist_opt: bool = True, loss_agg_mode: str = "token-mean", dtype: str = "float32",
+                 **optim) -> dict:
     megatron = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "sequence_parallel": sp,
                 "use_distributed_optimizer": dist_opt, "seed": 7}
     return {
-        "model": {"path": str(model_dir), "dtype": "float32"},
+        "model": {"path": str(model_dir), "dtype": dtype},
         "actor": {"megatron": megatron, "optim": {"lr": lr, "clip_grad": 1.0, "weight_decay": 0.01, **optim},
                   "ppo_mini_batch_size": mini_batch, "ppo_micro_batch_size_per_gpu": micro_batch,
                   "entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl",
