@@ -214,3 +214,10 @@ def test_dispatcher_forwards_argv_unchanged(tmp_path, monkeypatch):
     assert cli.main(["fake", *args]) == 0  # None from main is success
     assert fake_cmd.seen[-1] == (args, ["hybridflow fake", *args])
     assert cli.main(["fake", "--fail"]) == 7  # an int is the exit code
+
+
+def test_launch_readme_lists_every_command():
+    text = (REPO / "launch" / "README.md").read_text()
+    for name, command in cli.COMMANDS.items():
+        row = f"| `hybridflow {name}` | {command.summary} | `python -m {command.module}` |"
+        assert row in text, f"launch/README.md's Commands table lacks or differs from: {row}"
