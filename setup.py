@@ -37,7 +37,9 @@ setup(
     version="0.1.0",
     description="Megatron-backed RL post-training with a single controller and the 3D-HybridEngine",
     python_requires=">=3.11",
-    packages=find_packages(include=["hybridflow*", "megatron_workers*"]),
+    # launch: the `hybridflow` command's plan/bench/cluster/submit/torchrun/sweep live there
+    packages=find_packages(include=["hybridflow*", "megatron_workers*", "launch*"]),
+    entry_points={"console_scripts": ["hybridflow=hybridflow.cli:main"]},
     install_requires=CORE,
     extras_require=EXTRAS,
 )

@@ -68,6 +68,15 @@ def test_parse_args_rejects(argv, needle):
     assert needle in str(e.value)
 
 
+def test_help_needs_no_script(capsys):
+    # --help before `--` prints usage and exits 0; after `--` it is the script's own argument.
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+    spec = parse_args(["--nnodes", "1", "--nproc-per-node", "1", "--", "s.py", "--help"])
+    assert spec.entry == ["s.py", "--help"]
+
+
 def test_rank_table_is_node_major():
     table = rank_table(2, 3)
     assert [(s.rank, s.node, s.local_rank) for s in table] == [

@@ -195,5 +195,17 @@ def differences_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m hybridflow.config.verl_compat",
+        description="Print README.md's two verl tables (differing defaults, then verl keys that are not ours) as "
+                    "markdown.",
+        epilog="Paste the output into README.md's \"Coming from verl\"; tests/test_verl_compat.py keeps them equal.",
+    ).parse_args(argv)
     print(differences_table(), markdown_table(), sep="\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -98,5 +98,19 @@ def _child() -> None:
     print(json.dumps({"scores": [s if s is None or math.isfinite(s) else None for s in scores], "errors": errors}))
 
 
+def _parse_args(argv: list[str]) -> None:
+    """No options: the job comes on stdin. Only --help, so the child says what it is (~1 ms of argparse)."""
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m hybridflow.rewards.sandbox",
+        description="Score one batch with a user reward function in this (memory-capped) process; the parent "
+                    "SandboxedReward starts it.",
+        epilog="Reads a pickled job from stdin, prints {\"scores\": [...], \"errors\": [...]} as JSON. "
+               "Not meant to be run by hand: custom_reward_function.sandbox=true starts one per batch.",
+    ).parse_args(argv)
+
+
 if __name__ == "__main__":
+    _parse_args(sys.argv[1:])
     _child()

@@ -1,4 +1,6 @@
-"""Entry point: python -m hybridflow.trainer.main --config configs/ppo_tiny_cpu.yaml [key=value ...]
+"""Train a policy with PPO or GRPO from one config (YAML and key=value overrides): the trainer's entry point.
+
+    python -m hybridflow.trainer.main --config configs/ppo_tiny_cpu.yaml [key=value ...]
 
 Validates the whole config and the data before any Ray worker starts, then
 builds the worker groups on their resource pools (hybridflow/trainer/placement.py: trainer.placement

@@ -7,7 +7,10 @@ Throughput follows two conventions side by side:
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only annotations use it: launch.plan reads PEAK_FLOPS without importing torch
+    import torch
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

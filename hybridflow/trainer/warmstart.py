@@ -26,8 +26,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger(__name__)
 
 # Digits only: with 36 characters RL must find each right character among 36 by sampling and
@@ -41,6 +39,8 @@ DEMO_LABEL_SMOOTHING = 0.5
 
 def _sft_batch(tokenizer, rows: list[dict], device: str):
     """Prompt (chat template) + answer + eos; loss on the answer tokens only."""
+    import torch
+
     seqs, masks = [], []
     for row in rows:
         prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
@@ -60,33 +60,36 @@ def _sft_batch(tokenizer, rows: list[dict], device: str):
     return ids.to(device), attn.to(device), loss_mask.to(device)
 
 
-@torch.no_grad()
 def score_policy(model, tokenizer, rows: list[dict], max_new_tokens: int = 8, seed: int = 0) -> dict:
     """Mean task score of sampled (temperature 1, what RL starts from) and greedy answers."""
+    import torch
+
     from hybridflow.rewards.synthetic import compute_score
 
-    prompts = [tokenizer(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
-                         add_special_tokens=False)["input_ids"] for r in rows]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as generate expects
-        ids[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
-    out = {}
-    torch.manual_seed(seed)
-    for name, sample in (("sft_sampled_score", True), ("sft_greedy_score", False)):
-        how = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0) if sample else dict(do_sample=False)
-        gen = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, **how,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)
-        scores = [compute_score(t, r["reward_model"]["ground_truth"]) for t, r in zip(texts, rows, strict=True)]
-        out[name] = sum(scores) / len(scores)
-    return out
+    with torch.no_grad():
+        prompts = [tokenizer(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                             add_special_tokens=False)["input_ids"] for r in rows]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding, as generate expects
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        out = {}
+        torch.manual_seed(seed)
+        for name, sample in (("sft_sampled_score", True), ("sft_greedy_score", False)):
+            how = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0) if sample else dict(do_sample=False)
+            gen = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, **how,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)
+            scores = [compute_score(t, r["reward_model"]["ground_truth"]) for t, r in zip(texts, rows, strict=True)]
+            out[name] = sum(scores) / len(scores)
+        return out
 
 
 def supervised_warmstart(model_dir: Path, rows: list[dict], out_dir: Path, steps: int, batch_size: int = 64,
                          lr: float = 3e-3, seed: int = 0, label_smoothing: float = 0.0) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -159,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="SFT label smoothing: higher keeps the warm-start less sure of its answers")
     ap.add_argument("--force", action="store_true")
     a = ap.parse_args(argv)
+    import torch
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(2)
     info = prepare(a.out, a.preset, a.arch, a.sft_steps, force=a.force, alphabet=a.alphabet,

@@ -33,9 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)  # first: --help and a bad command line cost no torch import (report imports it)
     from launch.benchmark.report import compare, load_result, render
 
-    args = parse_args(argv)
     if args.compare is not None:
         try:
             stems = [Path(p).stem for p in args.compare]

@@ -1,4 +1,6 @@
-"""`python -m launch.cluster <command>`: the argparse layer over node, status and ssh.
+"""Start, inspect and stop a multi-node Ray cluster, on this host or over ssh (`python -m launch.cluster <command>`).
+
+The argparse layer over node, status and ssh.
 
 Errors that are the user's to fix (bad address, port in use, unreachable head, failing host) print one
 clear line and exit 1 instead of a traceback.

@@ -86,6 +86,11 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m launch.grafana.make_dashboard",
+                            description=f"Write {OUT.relative_to(OUT.parents[2])}, the Grafana dashboard of a run's "
+                                        "step gauges, from PANELS.").parse_args(argv)
     OUT.write_text(render())
     print(OUT, file=sys.stderr)
     return 0

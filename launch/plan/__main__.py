@@ -1,4 +1,6 @@
-"""python -m launch.plan CONFIG [key=value ...] [--gpu h100|a100|h200] [--recompute none|selective|full] ...
+"""Will a HybridFlow config fit its GPUs, and roughly how long is one step? No GPU, no weights.
+
+python -m launch.plan CONFIG [key=value ...] [--gpu h100|a100|h200] [--recompute none|selective|full] ...
 python -m launch.plan --against-paper
 
 Exit codes: 0 fits, 1 does not fit (the message names the stage, role, component and overflow, and knobs that
@@ -15,7 +17,9 @@ from launch.plan.job import Options, PlanInputError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__.split("\n\n")[0])
+    head, _, rest = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(prog="python -m launch.plan", description=head, epilog=rest,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", nargs="?", help="a HybridFlow YAML config (configs/recipes/*.yaml)")
     ap.add_argument("overrides", nargs="*", help="dotlist overrides, as the trainer takes them")
     ap.add_argument("--gpu", default="h100", help="a100 | h100 | h200 (default h100)")

@@ -61,6 +61,7 @@ class LaunchSpec:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m launch.torchrun_ray",
+        usage="%(prog)s --nnodes N --nproc-per-node P [options] -- (script.py | -m module) [args ...]",
         description="Run an SPMD script with torchrun on N nodes of a Ray cluster, one torchrun per node.",
         epilog="Everything after `--` is the script and its arguments, or `-m module args...`.")
     ap.add_argument("--nnodes", type=int, required=True)
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> LaunchSpec:
     environ = os.environ if environ is None else environ
     if "--" not in argv:
+        if "-h" in argv or "--help" in argv:  # usage, exit 0: help needs no script
+            build_parser().parse_args(["--help"])
         raise LaunchInputError("no script: put it after `--`, e.g. `-- train.py --lr 1e-4` or `-- -m pkg.mod`")
     cut = argv.index("--")
     a = build_parser().parse_args(argv[:cut])

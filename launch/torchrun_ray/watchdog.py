@@ -11,6 +11,7 @@ exits right after; it never outlives the tagged tree.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -28,9 +29,19 @@ def agent_alive(pid: int, create_time: float) -> bool:
         return False
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m launch.torchrun_ray.watchdog", description=__doc__.splitlines()[0],
+                                 epilog="Started by each node's agent (agent.py); not meant to be run by hand.")
+    ap.add_argument("pid", type=int, help="the agent's pid")
+    ap.add_argument("create_time", type=float, help="the agent's start time (psutil), against pid reuse")
+    ap.add_argument("tag", help="the job tag every process of the torchrun tree carries")
+    ap.add_argument("temp_dir", nargs="?", default=None, help="the agent's temporary log dir, removed at the end")
+    return ap.parse_args(argv)
+
+
 def main(argv: list[str]) -> None:
-    pid, create_time, tag = int(argv[0]), float(argv[1]), argv[2]
-    temp_dir = argv[3] if len(argv) > 3 else None
+    a = parse_args(argv)  # before the fork: a bad command line is an error the agent sees (check=True)
+    pid, create_time, tag, temp_dir = a.pid, a.create_time, a.tag, a.temp_dir
     if os.fork() > 0:  # the direct child exits at once; the agent reaps it, the grandchild is nobody's child
         os._exit(0)
     os.setsid()
