@@ -61,12 +61,20 @@ def _rollout_tokens(out: DataProto) -> list[list[int]]:
     return [r[m.bool()].tolist() for r, m in zip(out.batch["responses"], out.batch["response_mask"], strict=True)]
 
 
+# bf16 (model.dtype=auto on a CPU with native bf16): vLLM and Megatron run different bf16 kernels, so their
+# log-probs of the same tokens agree only to bf16 rounding (measured 2026-12-04, AMD EPYC avx512_bf16, t_g=1:
+# greedy tokens, mean |diff| 9.1e-4 and 3.0e-3, max 2.1e-3 and 1.1e-2 in the two rounds); greedy tokens are not
+# compared with HF, since bf16 flips ties.
+BF16_LOGPROB_MEAN_TOL, BF16_LOGPROB_MAX_TOL = 1e-2, 5e-2
+_bytes_at_t_g1: dict[str, float] = {}  # dtype -> bytes each rank received at t_g=1, to compare fp32 with bf16
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("t_g", [2, 1])
-def test_sync_generate_update_resync(ray_cluster, tiny, tmp_path, t_g):
+@pytest.mark.parametrize(("t_g", "dtype"), [(2, "float32"), (1, "float32"), (1, "bfloat16")])
+def test_sync_generate_update_resync(ray_cluster, tiny, tmp_path, t_g, dtype):
     from transformers import AutoTokenizer
 
-    cfg = ActorRolloutRefConfig(model=ModelConfig(path=str(tiny)))
+    cfg = ActorRolloutRefConfig(model=ModelConfig(path=str(tiny), dtype=dtype))
     cfg.actor.megatron = MegatronConfig(tensor_model_parallel_size=2)
     cfg.ref.megatron = MegatronConfig(tensor_model_parallel_size=2)
     cfg.actor.optim.lr = 5e-2
@@ -84,13 +92,26 @@ def test_sync_generate_update_resync(ray_cluster, tiny, tmp_path, t_g):
         prompts = _prompts(tok)
         for round_ in range(2):
             out = group.generate_sequences(prompts)
-            export = tmp_path / f"export{round_}"
-            group.export_hf(str(export))
-            assert _rollout_tokens(out) == _hf_greedy(export, prompts, 6), f"round {round_}"
+            sync = out.meta_info["metrics"]
+            # each rank receives exactly its planned shard bytes, in the params' dtype (bf16: half of fp32's)
+            assert sync["reshard/bytes_recv_per_rank"] == sync["reshard/expected_bytes_per_rank"]
+            assert (sync["reshard/bytes_recv_per_rank"] > 0) == (t_g < 2)
+            if t_g == 1:
+                _bytes_at_t_g1[dtype] = sync["reshard/bytes_recv_per_rank"]
+                if len(_bytes_at_t_g1) == 2:  # both ran (the parametrised order runs fp32 first)
+                    assert _bytes_at_t_g1["bfloat16"] * 2 == _bytes_at_t_g1["float32"], _bytes_at_t_g1
             lp = group.compute_log_prob(out)
             mask = out.batch["response_mask"].bool()
             diff = (lp.batch["old_log_probs"] - out.batch["rollout_log_probs"]).abs()[mask]
-            assert diff.max().item() < 1e-4, diff.max().item()
+            if dtype == "bfloat16":
+                print(f"bf16 round {round_}: rollout vs Megatron log-prob |diff| mean {diff.mean().item():.3e} "
+                      f"max {diff.max().item():.3e}; bytes {sync['reshard/bytes_recv_per_rank']}")
+                assert 0 < diff.mean().item() < BF16_LOGPROB_MEAN_TOL and diff.max().item() < BF16_LOGPROB_MAX_TOL
+            else:
+                export = tmp_path / f"export{round_}"
+                group.export_hf(str(export))
+                assert _rollout_tokens(out) == _hf_greedy(export, prompts, 6), f"round {round_}"
+                assert diff.max().item() < 1e-4, diff.max().item()
             if round_ == 0:
                 batch = out.union(lp.select(batch_keys=["old_log_probs"]))
                 adv = torch.where(torch.arange(len(batch)) % 2 == 0, 1.0, -1.0)[:, None].expand_as(mask).float()
