@@ -3,11 +3,14 @@
     python launch/bench_vs_trl.py                         # tiny demo model, then the ~18M "small" preset
     python launch/bench_vs_trl.py --presets small --steps 4 --warmup 1
     python launch/bench_vs_trl.py --only ours             # skip the TRL side (or --only trl)
+    python launch/bench_vs_trl.py --dtype fp32,bf16       # both precisions, one row each, in one run
 
 Both sides train the same randomly initialised Llama from hybridflow.models.tiny on the
 same reverse-task parquet: 32 prompts x 4 samples = 128 completions of exactly 128 tokens
 per step (EOS ignored), a reference model with a k3 KL term of weight 0.04, one optimizer
-step per batch, fp32. Throughput is (prompt + completion tokens) / step time, median over
+step per batch, in --dtype: fp32 on both sides, or bf16 (ours: actor_rollout_ref.model.dtype=bfloat16, i.e.
+bf16 params with fp32 main params, and vLLM in bf16; TRL: bf16=True, torch autocast over fp32 weights on CPU,
+the way TRL runs bf16 there). Throughput is (prompt + completion tokens) / step time, median over
 the steps after the warm-up ones.
 
 - Ours: `python -m hybridflow.trainer.main` with configs/grpo_tiny_cpu.yaml and dotlist
@@ -133,10 +136,14 @@ def load_avg() -> float:
 # ----------------------------------------------------------------------------- the two sides
 
 
-def our_overrides(model: Path, data: Path, run_dir: Path, steps: int, extra: list[str]) -> list[str]:
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> our model.dtype
+
+
+def our_overrides(model: Path, data: Path, run_dir: Path, steps: int, extra: list[str],
+                  dtype: str = "fp32") -> list[str]:
     rows = PROMPTS_PER_STEP
     a = "actor_rollout_ref"
-    return [
+    return [f"{a}.model.dtype={DTYPES[dtype]}",
         f"data.train_files=[{data}]", f"data.train_batch_size={rows}", "data.max_prompt_length=64",
         f"data.max_response_length={RESPONSE_TOKENS}",
         f"{a}.model.path={model}",
@@ -166,14 +173,15 @@ def layout_of(run_dir: Path) -> str:
             f"actor micro-batch {a.actor.ppo_micro_batch_size_per_gpu}")
 
 
-def run_ours(preset: str, model: Path, data: Path, steps: int, extra: list[str], timeout_s: int) -> list[dict]:
+def run_ours(preset: str, model: Path, data: Path, steps: int, extra: list[str], timeout_s: int,
+             dtype: str = "fp32") -> list[dict]:
     import shutil
 
-    run_dir = WORK / f"ours_{preset}"
+    run_dir = WORK / f"ours_{preset}_{dtype}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     cmd = [sys.executable, "-m", "hybridflow.trainer.main", "--config", str(REPO / "configs" / "grpo_tiny_cpu.yaml"),
-           *our_overrides(model, data, run_dir, steps, extra)]
+           *our_overrides(model, data, run_dir, steps, extra, dtype)]
     log(f"ours ({preset}): {' '.join(cmd[1:])}")
     with open(run_dir / "driver.log", "w") as out:
         proc = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
@@ -193,15 +201,17 @@ def run_ours(preset: str, model: Path, data: Path, steps: int, extra: list[str],
     return out
 
 
-def run_trl(preset: str, model: Path, data: Path, steps: int, micro: int, threads: int, timeout_s: int) -> dict:
-    out = WORK / f"trl_{preset}"
+def run_trl(preset: str, model: Path, data: Path, steps: int, micro: int, threads: int, timeout_s: int,
+            dtype: str = "fp32") -> dict:
+    out = WORK / f"trl_{preset}_{dtype}"
     out.mkdir(parents=True, exist_ok=True)
     result = out / "steps.json"
     result.unlink(missing_ok=True)
     cmd = [str(TRL_VENV / "bin" / "python"), str(REPO / "launch" / "trl_side.py"), "--model", str(model),
            "--data", str(data), "--steps", str(steps), "--prompts", str(PROMPTS_PER_STEP), "--group", str(GROUP),
            "--response-tokens", str(RESPONSE_TOKENS), "--beta", str(KL_COEF), "--lr", str(LR),
-           "--micro-batch", str(micro), "--threads", str(threads), "--out", str(result), "--work", str(out)]
+           "--micro-batch", str(micro), "--threads", str(threads), "--out", str(result), "--work", str(out),
+           "--dtype", dtype]
     log(f"trl ({preset}): {' '.join(cmd[1:])}")
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # trl_side imports hybridflow.rewards.synthetic only
     with open(out / "trl.log", "w") as fh:
@@ -215,14 +225,15 @@ def run_trl(preset: str, model: Path, data: Path, steps: int, micro: int, thread
 # ----------------------------------------------------------------------------- what bounds the ratio
 
 
-def matmul_gflops(tokens: int, hidden: int, ffn: int, threads: int, rounds: int = 20) -> float:
-    """torch's fp32 GEMM rate on this machine for the model's MLP shape, [tokens, hidden] x [hidden, ffn]."""
+def matmul_gflops(tokens: int, hidden: int, ffn: int, threads: int, rounds: int = 20, dtype: str = "fp32") -> float:
+    """torch's GEMM rate on this machine for the model's MLP shape, [tokens, hidden] x [hidden, ffn], in dtype."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(tokens, hidden), torch.randn(hidden, ffn)
+        dt = getattr(torch, DTYPES[dtype])
+        a, b = torch.randn(tokens, hidden).to(dt), torch.randn(hidden, ffn).to(dt)
         for _ in range(3):
             a @ b
         t = time.perf_counter()
@@ -285,29 +296,35 @@ def main(argv: list[str] | None = None) -> None:
                     help="extra dotlist override for our trainer (repeatable), e.g. "
                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32")
     ap.add_argument("--timeout-s", type=int, default=1800, help="per side and model")
+    ap.add_argument("--dtype", default="fp32", help=f"comma list of {'/'.join(DTYPES)}: a row per preset and dtype")
     args = ap.parse_args(argv)
     presets = [p for p in args.presets.split(",") if p]
+    dtypes = [d for d in args.dtype.split(",") if d]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise SystemExit(f"--dtype={args.dtype!r}: each must be one of {', '.join(DTYPES)}")
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps={args.steps} must exceed --warmup={args.warmup}")
 
     stamp = ensure_trl_venv() if args.only != "ours" else None
     data, models = prepare_assets(presets)
-    for preset in presets:
+    for preset, dtype in ((p, d) for p in presets for d in dtypes):
         model = models[preset]
         row = {"model": preset, "params": count_params(model), "prompts_per_step": PROMPTS_PER_STEP,
                "group": GROUP, "response_tokens": RESPONSE_TOKENS, "steps": args.steps, "warmup": args.warmup,
-               "dtype": "fp32", "kl_coef": KL_COEF}
+               "dtype": dtype, "kl_coef": KL_COEF}
         if args.only != "trl":
             t, la = time.perf_counter(), load_avg()
-            ours = summarize(run_ours(preset, model, data, args.steps, args.ours_override, args.timeout_s),
+            ours = summarize(run_ours(preset, model, data, args.steps, args.ours_override, args.timeout_s, dtype),
                              args.warmup)
             row["hybridflow_tokens_per_s"] = ours.pop("tokens_per_s")
             row["hybridflow"] = {**ours, "wall_s": round(time.perf_counter() - t, 1), "loadavg_start": la,
                                  "loadavg_end": load_avg(), "overrides": args.ours_override,
-                                 "layout": layout_of(WORK / f"ours_{preset}")}
+                                 "layout": layout_of(WORK / f"ours_{preset}_{dtype}")}
         if args.only != "ours":
             t, la = time.perf_counter(), load_avg()
-            res = run_trl(preset, model, data, args.steps, args.trl_micro_batch, args.trl_threads, args.timeout_s)
+            res = run_trl(preset, model, data, args.steps, args.trl_micro_batch, args.trl_threads, args.timeout_s,
+                          dtype)
             trl = summarize(res["steps"], args.warmup)
             row["trl_tokens_per_s"] = trl.pop("tokens_per_s")
             row["trl"] = {**trl, "wall_s": round(time.perf_counter() - t, 1), "loadavg_start": la,
@@ -315,11 +332,11 @@ def main(argv: list[str] | None = None) -> None:
                           "venv_install_s": stamp["install_s"]}
         if "hybridflow_tokens_per_s" in row and "trl_tokens_per_s" in row:
             row["ratio"] = round(row["hybridflow_tokens_per_s"] / row["trl_tokens_per_s"], 3)
-            row["bound"] = bound(row, model_facts(model))
+            row["bound"] = bound(row, model_facts(model), dtype)
         print(json.dumps(row), flush=True)
 
 
-def bound(row: dict, facts: dict) -> dict:
+def bound(row: dict, facts: dict, dtype: str = "fp32") -> dict:
     """Both sides' arithmetic rates against this machine's GEMM rate, measured now, and the ratio ours would
     reach if its training passes ran at the 2-thread GEMM rate (generation and the rest as measured)."""
     ours, trl = row["hybridflow"], row["trl"]
@@ -330,8 +347,11 @@ def bound(row: dict, facts: dict) -> dict:
     row_tokens = ours["tokens_per_step"] // (PROMPTS_PER_STEP * GROUP)
     # GEMMs the size of each side's micro-batch: ours 8 rows a worker (LAYOUT), TRL's 16 on both threads
     out = {"matmul_params": matmul_params,
-           "gemm_gflops_1_thread": round(matmul_gflops(8 * row_tokens, facts["hidden"], facts["ffn"], 1), 1),
-           "gemm_gflops_2_threads": round(matmul_gflops(16 * row_tokens, facts["hidden"], facts["ffn"], 2), 1),
+           "gemm_dtype": dtype,
+           "gemm_gflops_1_thread": round(matmul_gflops(8 * row_tokens, facts["hidden"], facts["ffn"], 1,
+                                                       dtype=dtype), 1),
+           "gemm_gflops_2_threads": round(matmul_gflops(16 * row_tokens, facts["hidden"], facts["ffn"], 2,
+                                                        dtype=dtype), 1),
            "hybridflow": arithmetic(matmul_params, ours["tokens_per_step"], generated, ours_train,
                                     ours["gen_s"]),
            "trl": arithmetic(matmul_params, trl["tokens_per_step"], generated, trl["s_per_step"] - trl["gen_s"],

@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--micro-batch", type=int, default=64, help="completions per forward/backward")
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default (all cores)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: TRL's bf16=True, which on CPU is torch autocast over fp32 weights")
     args = ap.parse_args()
 
     import torch
@@ -110,7 +112,8 @@ def main() -> None:
     accumulation = completions // args.micro_batch
     config = GRPOConfig(
         output_dir=args.work, max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=True, bf16=False, fp16=False, seed=0, dataloader_num_workers=0, remove_unused_columns=False,
+        use_cpu=True, bf16=args.dtype == "bf16", fp16=False, seed=0, dataloader_num_workers=0,
+        remove_unused_columns=False,
         per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation,  # one generation of prompts*group completions per optimizer step
         num_generations=args.group, num_iterations=1, beta=args.beta,
@@ -148,7 +151,8 @@ def main() -> None:
     history = [h for h in trainer.state.log_history if "loss" in h or "completions/mean_length" in h]
     for s, h in zip(clock.steps, history, strict=False):
         s["trl_metrics"] = {k: v for k, v in h.items() if isinstance(v, (int, float))}
-    setup = {"trl_generation": "HF generate (no vLLM)", "torch_threads": threads,
+    setup = {"trl_generation": "HF generate (no vLLM)", "torch_threads": threads, "dtype": args.dtype,
+             "bf16": config.bf16,
              "micro_batch": args.micro_batch, "grad_accumulation": accumulation,
              "trl_version": trl.__version__, "transformers_version": transformers.__version__,
              "loss_type": getattr(config, "loss_type", None),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -205,6 +206,12 @@ VALIDATE_CASES = {
          "actor_rollout_ref.rollout.calculate_log_probs=false"],
         r"recompute_old_log_prob=false with algorithm.use_kl_in_reward=true needs the rollout's log-probs: set "
         r"actor_rollout_ref.rollout.calculate_log_probs=true"),
+    # precision (hybridflow/precision.py): refused before Ray, naming the key
+    "fp16_on_cpu": (["actor_rollout_ref.model.dtype=fp16", "trainer.device=cpu"],
+                    r"actor_rollout_ref.model.dtype=fp16: fp16 is not supported on CPU; use bfloat16"),
+    "critic_fp16_on_gpu": (["critic.model.dtype=float16", "trainer.device=cuda"],
+                           r"critic.model.dtype=float16: training in fp16 needs a loss scaler"),
+    "device_typo": (["trainer.device=gpu"], r"trainer.device='gpu'; choose one of auto, cpu, cuda"),
 }
 
 
@@ -213,6 +220,25 @@ def test_validate_names_the_key(files, name):
     overrides, match = VALIDATE_CASES[name]
     with pytest.raises(ValueError, match=match):
         _validate(files, *overrides)
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_refused_unless_forced(files, monkeypatch, caplog):
+    """HYBRIDFLOW_CPU_BF16=0 stands for a CPU without amx_bf16/avx512_bf16: an explicit bf16 is refused naming the
+    key, auto falls back to fp32, and trainer.force_slow_bf16 runs it with the slowdown measured in the warning."""
+    import logging
+
+    monkeypatch.setenv("HYBRIDFLOW_CPU_BF16", "0")
+    with pytest.raises(ValueError, match=r"critic.model.dtype=bf16: this CPU has no native bf16 .*"
+                                         r"trainer.force_slow_bf16=true"):
+        _validate(files, "critic.model.dtype=bf16", "trainer.device=cpu")
+    with caplog.at_level(logging.INFO, logger="hybridflow"):
+        _validate(files, "trainer.device=cpu")
+    assert "actor_rollout_ref float32 (auto: this CPU has no native bf16)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hybridflow"):
+        _validate(files, "actor_rollout_ref.model.dtype=bfloat16", "trainer.device=cpu", "trainer.force_slow_bf16=true")
+    assert re.search(r"actor_rollout_ref.model.dtype: bf16 on a CPU without native bf16 .* a bf16 matmul measured "
+                     r"[0-9.]+x the fp32 speed here", caplog.text), caplog.text
 
 
 def test_ffn_vs_tp(files):

@@ -160,7 +160,8 @@ def test_bench_vs_trl_arithmetic_and_ceiling_by_hand(monkeypatch):
     # 4 forward-equivalents x 2 FLOPs x 1e6 matmul params x 1000 tokens = 8 GFLOP in 2 s; 2 x 1e6 x 500 in 1 s
     assert B.arithmetic(10**6, 1000, 500, train_s=2.0, gen_s=1.0) == {
         "train_gflop": 8.0, "train_gflops_per_s": 4.0, "gen_gflops_per_s": 1.0}
-    monkeypatch.setattr(B, "matmul_gflops", lambda tokens, hidden, ffn, threads: 10.0 * threads)
+    rates = {"fp32": 10.0, "bf16": 25.0}  # GFLOP/s per thread, by the dtype the bound asks the GEMM in
+    monkeypatch.setattr(B, "matmul_gflops", lambda tokens, hidden, ffn, threads, dtype="fp32": rates[dtype] * threads)
     params = 10**6 + 100 * 64  # the input embedding (vocab 100 x hidden 64) is not a matmul
     tokens = B.PROMPTS_PER_STEP * B.GROUP * 150
     row = {"params": params,
@@ -174,3 +175,7 @@ def test_bench_vs_trl_arithmetic_and_ceiling_by_hand(monkeypatch):
     assert out["trl"]["train_gflops_per_s"] == round(train_gflop / 24.0, 1)
     # ours with its 24 s of training replaced by train_gflop at 20 GFLOP/s; gen and the rest (6 s) as measured
     assert out["ratio_if_our_training_ran_at_gemm_rate"] == round(33.0 / (6.0 + round(train_gflop, 1) / 20.0), 3)
+    # a bf16 row is bounded by the bf16 GEMM rate
+    bf16 = B.bound(row, {"hidden": 64, "ffn": 128, "vocab": 100}, "bf16")
+    assert bf16["gemm_dtype"] == "bf16" and bf16["gemm_gflops_2_threads"] == 50.0
+    assert bf16["ratio_if_our_training_ran_at_gemm_rate"] == round(33.0 / (6.0 + round(train_gflop, 1) / 50.0), 3)

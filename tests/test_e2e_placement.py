@@ -123,7 +123,9 @@ def test_benchmark_result_is_the_runs_timed_step(pools_bench):
         timed["perf/total_num_tokens"] / timed["timing_s/values"])
     assert totals["throughput_per_device"] == timed["perf/throughput"]
     assert totals["aggregate_throughput"] == timed["perf/aggregate_throughput"]
-    assert 0 < stages["update_actor"]["mfu"] < 1 and "one AVX2 core" in result["peak_flops"]["source"]
+    # the peak is this CPU's own matmul, measured in the run at the actor's GEMM shape and dtype
+    source = result["peak_flops"]["source"]
+    assert 0 < stages["update_actor"]["mfu"] < 1 and source.startswith("measured ") and "matmul [" in source, source
     assert set(result["peak_memory"]) == {"actor_rollout", "ref", "critic"}
     assert all(m["rss_peak_bytes"] > 100e6 for m in result["peak_memory"].values())
     assert result["versions"]["torch"] and result["git"]["commit"] and result["device"].startswith("CPU")

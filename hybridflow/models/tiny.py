@@ -59,6 +59,10 @@ PRESETS: dict[str, dict[str, int]] = {
     # ~50M parameters; TP in {1, 2, 4}
     "medium": dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
                    intermediate_size=2048),
+    # ~100M parameters, where matrix work dominates a step (launch/bench_vs_trl.py --presets large --dtype bf16);
+    # TP in {1, 2, 4}
+    "large": dict(hidden_size=1024, num_hidden_layers=9, num_attention_heads=16, num_key_value_heads=4,
+                  intermediate_size=2816),
 }
 # Config keys, beyond the preset shape, that callers may override.
 EXTRA_KEYS = {

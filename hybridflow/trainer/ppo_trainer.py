@@ -60,12 +60,20 @@ def stage(name: str):
 
 
 def device_peak_flops(cfg: HybridFlowConfig) -> tuple[float, str]:
+    """perf/mfu/*'s peak per device: the config's, a GPU's from the table, or this CPU's measured now
+    (hybridflow/trainer/peak_flops.py: the actor's own GEMM in its dtype, on one worker's share of the cores)."""
     if cfg.trainer.device_peak_flops:
         return float(cfg.trainer.device_peak_flops), "config"
     if torch.cuda.is_available():  # which peak was used is logged at start
         return M.known_peak_flops(torch.cuda.get_device_name()) or (989e12, "unknown GPU, H100 dense bf16 assumed")
-    # One worker thread of an AVX2 core: 2 FMA units x 8 fp32 lanes x 2 flops x ~2.5 GHz.
-    return 80e9, "one AVX2 core fp32 (estimate)"
+    from hybridflow.precision import resolve
+    from hybridflow.trainer.peak_flops import cpu_peak_flops
+    from megatron_workers.hf_io import read_hf_config
+
+    a, d = cfg.actor_rollout_ref, cfg.data
+    return cpu_peak_flops(read_hf_config(a.model.path), a.actor.megatron.tensor_model_parallel_size,
+                          a.actor.ppo_micro_batch_size_per_gpu or 1, d.max_prompt_length + d.max_response_length,
+                          resolve(a.model.dtype, "cpu"), cfg.trainer.n_gpus_per_node)
 
 
 def dp_balance_parts(cfg: HybridFlowConfig) -> tuple[int, int]:
