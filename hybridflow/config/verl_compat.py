@@ -10,8 +10,9 @@ Some rules depend on the value: `actor_rollout_ref.rollout.mode=sync` is what we
 asks for a rollout mode we lack (refused).
 
 Keys that exist in both schemas with the same meaning are not listed here: they are ours
-(hybridflow/config/schema.py). README.md's "Coming from verl" table is generated from RULES
-(`python -m hybridflow.config.verl_compat`), and a test keeps the two equal.
+(hybridflow/config/schema.py). The two tables of docs/verl.md ("Coming from verl") are generated from RULES
+and DIFFERENCES (`python -m hybridflow.config.verl_compat` prints them), and a test keeps the page equal to
+them.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ DIFFERENCES: tuple[Difference, ...] = (
                "off here, so a config without data.val_files runs; on, it validates at step 0 as verl"),
     Difference("trainer.logger", "['console', 'wandb']",
                "wandb runs offline (no network) unless WANDB_MODE says otherwise; also jsonl, tensorboard, mlflow, "
-               "prometheus (README 'Watching a run')"),
+               "prometheus ([Watching a run](watching.md))"),
     Difference("trainer.critic_warmup", "0", "verl's rule: the actor is updated at steps >= critic_warmup "
                "(counted from 1), so N gives N-1 critic-only steps; N > 1 without a critic is refused before Ray"),
     Difference("trainer.default_local_dir", "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
@@ -172,7 +173,7 @@ def _md(text: str) -> str:
 
 
 def markdown_table() -> str:
-    """RULES as the markdown table in README.md ("Coming from verl")."""
+    """RULES as the markdown table in docs/verl.md ("Coming from verl")."""
     rows = ["| verl key | here | why | instead |", "|---|---|---|---|"]
     for r in RULES:
         here = r.kind if not r.ignore_values else f"ignored if `{'`/`'.join(r.ignore_values)}`, else refused"
@@ -181,7 +182,7 @@ def markdown_table() -> str:
 
 
 def differences_table() -> str:
-    """DIFFERENCES as the markdown table in README.md, with our defaults read from the schema."""
+    """DIFFERENCES as the markdown table in docs/verl.md, with our defaults read from the schema."""
     from omegaconf import OmegaConf
 
     from hybridflow.config.load import load_config, to_dict
