@@ -40,7 +40,7 @@ demo-grpo: $(STAMP)
 bench: $(STAMP)
 	$(PY) launch/bench_controller.py
 
-# The docs site (mkdocs.yml, pages in docs/) into site/; open site/index.html.
+# The docs site (mkdocs.yml, pages in docs/) into site/; open site/index.html. `make test` builds it --strict.
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir site
 
