@@ -210,9 +210,22 @@ def test_a_yaml_file_goes_through_the_same_table(tmp_path, caplog):
 
 
 def test_docs_tables_are_the_compat_tables():
+    assert verl_compat.PAGE == PAGE.resolve()
     text = PAGE.read_text()
-    assert verl_compat.markdown_table() in text, "docs/verl.md is stale: python -m hybridflow.config.verl_compat"
-    assert verl_compat.differences_table() in text, "docs/verl.md is stale: python -m hybridflow.config.verl_compat"
+    stale = "docs/verl.md is stale: python -m hybridflow.config.verl_compat --write"
+    assert verl_compat.markdown_table() in text, stale
+    assert verl_compat.differences_table() in text, stale
+    assert verl_compat.replace_tables(text) == text, stale  # no leftover rows of an older table either
+
+
+def test_write_replaces_a_stale_table_and_keeps_the_rest():
+    text = PAGE.read_text()
+    rows = verl_compat.markdown_table().split("\n")
+    stale = text.replace(rows[2], rows[2].replace("refused", "ignored", 1) + "\n| `old.key` | ignored | gone | |")
+    assert stale != text
+    assert verl_compat.replace_tables(stale) == text
+    with pytest.raises(ValueError, match="no table with the header"):
+        verl_compat.replace_tables("# a page without the tables\n")
 
 
 def test_documented_defaults_are_ours():

@@ -11,16 +11,19 @@ asks for a rollout mode we lack (refused).
 
 Keys that exist in both schemas with the same meaning are not listed here: they are ours
 (hybridflow/config/schema.py). The two tables of docs/verl.md ("Coming from verl") are generated from RULES
-and DIFFERENCES (`python -m hybridflow.config.verl_compat` prints them), and a test keeps the page equal to
-them.
+and DIFFERENCES (`python -m hybridflow.config.verl_compat --write` rewrites them there), and a test keeps the
+page equal to them.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from pathlib import Path
 
 IGNORED, REFUSED = "ignored", "refused"
+# The page that shows both tables (a checkout's docs/; not part of an installed package).
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
 NOT_YET = "not supported yet"
 
 
@@ -196,5 +199,30 @@ def differences_table() -> str:
     return "\n".join(rows)
 
 
+def replace_tables(text: str) -> str:
+    """`text` with each generated table, found by its header row, replaced by the current one (whole rows only)."""
+    lines = text.split("\n")
+    for table in (differences_table(), markdown_table()):
+        rows = table.split("\n")
+        if rows[0] not in lines:
+            raise ValueError(f"no table with the header {rows[0]!r} to replace")
+        start = end = lines.index(rows[0])
+        while end < len(lines) and lines[end].startswith("|"):
+            end += 1
+        lines[start:end] = rows
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(differences_table(), markdown_table(), sep="\n\n")
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Print the two verl tables, or rewrite them in the docs page.")
+    ap.add_argument("--write", nargs="?", const=str(PAGE), metavar="PAGE",
+                    help=f"replace the tables in PAGE (default {PAGE}) instead of printing them")
+    args = ap.parse_args()
+    if args.write:
+        page = Path(args.write)
+        page.write_text(replace_tables(page.read_text()))
+        print(f"wrote {page}")
+    else:
+        print(differences_table(), markdown_table(), sep="\n\n")
