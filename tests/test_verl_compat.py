@@ -19,7 +19,7 @@ from hybridflow.config import verl_compat
 from hybridflow.config.load import ConfigError, is_valid_key, load_config, to_dict
 
 FIXTURES = sorted((Path(__file__).parent / "data" / "verl_overrides").glob("*.txt"))
-README = Path(__file__).parent.parent / "README.md"
+PAGE = Path(__file__).parent.parent / "docs" / "verl.md"
 
 # key=value lines (as in the fixtures) that are dropped with a logged reason.
 IGNORED = {
@@ -209,10 +209,23 @@ def test_a_yaml_file_goes_through_the_same_table(tmp_path, caplog):
         load_config(path)
 
 
-def test_readme_tables_are_the_compat_table():
-    text = README.read_text()
-    assert verl_compat.markdown_table() in text, "README.md is stale: python -m hybridflow.config.verl_compat"
-    assert verl_compat.differences_table() in text, "README.md is stale: python -m hybridflow.config.verl_compat"
+def test_docs_tables_are_the_compat_tables():
+    assert verl_compat.PAGE == PAGE.resolve()
+    text = PAGE.read_text()
+    stale = "docs/verl.md is stale: python -m hybridflow.config.verl_compat --write"
+    assert verl_compat.markdown_table() in text, stale
+    assert verl_compat.differences_table() in text, stale
+    assert verl_compat.replace_tables(text) == text, stale  # no leftover rows of an older table either
+
+
+def test_write_replaces_a_stale_table_and_keeps_the_rest():
+    text = PAGE.read_text()
+    rows = verl_compat.markdown_table().split("\n")
+    stale = text.replace(rows[2], rows[2].replace("refused", "ignored", 1) + "\n| `old.key` | ignored | gone | |")
+    assert stale != text
+    assert verl_compat.replace_tables(stale) == text
+    with pytest.raises(ValueError, match="no table with the header"):
+        verl_compat.replace_tables("# a page without the tables\n")
 
 
 def test_documented_defaults_are_ours():

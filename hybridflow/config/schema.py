@@ -281,7 +281,7 @@ class PrometheusConfig:
 
 @dataclass
 class FaultConfig:
-    """What the driver does about dead workers and non-finite updates (README 'Reliability')."""
+    """What the driver does about dead workers and non-finite updates (docs/reliability.md)."""
     detect_timeout_s: float = 60.0  # a dead worker must be noticed within this (Ray's own notice is ~0.1 s)
     # gloo/NCCL timeout of every worker process group: a rank stuck in a collective with a dead peer gives up
     # after this (the driver tears the group down long before; this is the backstop).
@@ -310,7 +310,7 @@ class TrainerConfig:
     # The HybridFlow paper's placements, presets over resource_pools (hybridflow/trainer/placement.py), each
     # pool nnodes x n_gpus_per_node processes: colocate (one pool for every role; the ref lives in the actor's
     # processes), split (actor+rollout+ref on one pool, critic+reward model on another), standalone (a pool per
-    # role; what `split` meant before, see README 'Placement').
+    # role; what `split` meant before, see ARCHITECTURE.md 'Placement').
     placement: str = "colocate"
     # verl's resource_pool_spec: {pool name: [processes on node 0, on node 1, ...]}; when set it replaces
     # `placement`, and role_pools must name the pool of every role the job runs (unused pools are an error).
@@ -321,7 +321,7 @@ class TrainerConfig:
     rollout_data_dir: str | None = None  # write each step's samples to <dir>/step_<N>.jsonl (verl's key)
     device_peak_flops: float | None = None  # per device, for perf/mfu/actor; None: a table for known devices
     # Chrome-trace JSON of the driver's stages and every rank's forward/backward/optimizer/reshard ranges
-    # (torch.profiler), for the steps in timeline_steps, as <timeline_dir>/step_<N>.json (README 'Timelines').
+    # (torch.profiler), for the steps in timeline_steps, as <timeline_dir>/step_<N>.json (docs/watching.md 'Timelines').
     # null: off, and nothing is profiled.
     timeline_dir: str | None = None
     timeline_steps: list[int] = field(default_factory=lambda: [2, 3])

@@ -10,16 +10,20 @@ Some rules depend on the value: `actor_rollout_ref.rollout.mode=sync` is what we
 asks for a rollout mode we lack (refused).
 
 Keys that exist in both schemas with the same meaning are not listed here: they are ours
-(hybridflow/config/schema.py). README.md's "Coming from verl" table is generated from RULES
-(`python -m hybridflow.config.verl_compat`), and a test keeps the two equal.
+(hybridflow/config/schema.py). The two tables of docs/verl.md ("Coming from verl") are generated from RULES
+and DIFFERENCES (`python -m hybridflow.config.verl_compat --write` rewrites them there), and a test keeps the
+page equal to them.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from pathlib import Path
 
 IGNORED, REFUSED = "ignored", "refused"
+# The page that shows both tables (a checkout's docs/; not part of an installed package).
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
 NOT_YET = "not supported yet"
 
 
@@ -142,7 +146,7 @@ DIFFERENCES: tuple[Difference, ...] = (
                "off here, so a config without data.val_files runs; on, it validates at step 0 as verl"),
     Difference("trainer.logger", "['console', 'wandb']",
                "wandb runs offline (no network) unless WANDB_MODE says otherwise; also jsonl, tensorboard, mlflow, "
-               "prometheus (README 'Watching a run')"),
+               "prometheus ([Watching a run](watching.md))"),
     Difference("trainer.critic_warmup", "0", "verl's rule: the actor is updated at steps >= critic_warmup "
                "(counted from 1), so N gives N-1 critic-only steps; N > 1 without a critic is refused before Ray"),
     Difference("trainer.default_local_dir", "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
@@ -172,7 +176,7 @@ def _md(text: str) -> str:
 
 
 def markdown_table() -> str:
-    """RULES as the markdown table in README.md ("Coming from verl")."""
+    """RULES as the markdown table in docs/verl.md ("Coming from verl")."""
     rows = ["| verl key | here | why | instead |", "|---|---|---|---|"]
     for r in RULES:
         here = r.kind if not r.ignore_values else f"ignored if `{'`/`'.join(r.ignore_values)}`, else refused"
@@ -181,7 +185,7 @@ def markdown_table() -> str:
 
 
 def differences_table() -> str:
-    """DIFFERENCES as the markdown table in README.md, with our defaults read from the schema."""
+    """DIFFERENCES as the markdown table in docs/verl.md, with our defaults read from the schema."""
     from omegaconf import OmegaConf
 
     from hybridflow.config.load import load_config, to_dict
@@ -195,16 +199,37 @@ def differences_table() -> str:
     return "\n".join(rows)
 
 
+def replace_tables(text: str) -> str:
+    """`text` with each generated table, found by its header row, replaced by the current one (whole rows only)."""
+    lines = text.split("\n")
+    for table in (differences_table(), markdown_table()):
+        rows = table.split("\n")
+        if rows[0] not in lines:
+            raise ValueError(f"no table with the header {rows[0]!r} to replace")
+        start = end = lines.index(rows[0])
+        while end < len(lines) and lines[end].startswith("|"):
+            end += 1
+        lines[start:end] = rows
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    argparse.ArgumentParser(
+    ap = argparse.ArgumentParser(
         prog="python -m hybridflow.config.verl_compat",
-        description="Print README.md's two verl tables (differing defaults, then verl keys that are not ours) as "
-                    "markdown.",
-        epilog="Paste the output into README.md's \"Coming from verl\"; tests/test_verl_compat.py keeps them equal.",
-    ).parse_args(argv)
-    print(differences_table(), markdown_table(), sep="\n\n")
+        description="Print the two verl tables (differing defaults, then verl keys that are not ours) as markdown, "
+                    "or rewrite them in the docs page.",
+        epilog=f"tests/test_verl_compat.py keeps {PAGE} equal to them.")
+    ap.add_argument("--write", nargs="?", const=str(PAGE), metavar="PAGE",
+                    help=f"replace the tables in PAGE (default {PAGE}) instead of printing them")
+    args = ap.parse_args(argv)
+    if args.write:
+        page = Path(args.write)
+        page.write_text(replace_tables(page.read_text()))
+        print(f"wrote {page}")
+    else:
+        print(differences_table(), markdown_table(), sep="\n\n")
 
 
 if __name__ == "__main__":

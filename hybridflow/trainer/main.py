@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for flag, value in (("--config-path", args.verl_config_path), ("--config-name", args.verl_config_name)):
         if value is not None:
-            log.warning("ignoring verl's %s=%s: the defaults here are hybridflow/config/schema.py's (see README "
+            log.warning("ignoring verl's %s=%s: the defaults here are hybridflow/config/schema.py's (see docs/verl.md, "
                         "'Coming from verl'); pass --config FILE for a YAML file of ours", flag, value)
     try:
         cfg = load_config(args.config, args.overrides)

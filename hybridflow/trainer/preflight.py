@@ -240,7 +240,7 @@ def _validate_precision(cfg: HybridFlowConfig) -> dict[str, str]:
 
 
 def _validate_fault(cfg: HybridFlowConfig) -> None:
-    """trainer.max_restarts, trainer.fault.* and the reward sandbox's limits (README 'Reliability')."""
+    """trainer.max_restarts, trainer.fault.* and the reward sandbox's limits (docs/reliability.md)."""
     t, f, r = cfg.trainer, cfg.trainer.fault, cfg.custom_reward_function
     checks = [("trainer.max_restarts", t.max_restarts, t.max_restarts >= 0, ">= 0"),
               ("trainer.fault.detect_timeout_s", f.detect_timeout_s, f.detect_timeout_s > 0, "> 0"),

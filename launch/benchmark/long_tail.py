@@ -169,7 +169,7 @@ def imbalance_cell(summary: dict) -> str:
 
 
 def render_markdown(rows: list[dict]) -> str:
-    """The README table: a row per ablation row (pending rows say so)."""
+    """The docs/benchmarks.md table (long-tailed batches): a row per ablation row (pending rows say so)."""
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
