@@ -51,9 +51,12 @@ def warm_assets(tmp_path_factory):
     return prepare(tmp_path_factory.mktemp("warm_assets"), sft_steps=80, train_size=256, test_size=16)
 
 
-# The plain 2-step colocated PPO job on warm_assets (8 prompts, one mini-batch, no validation, no saves).
+# The plain 2-step colocated PPO job on warm_assets (8 prompts, one mini-batch, no validation, no saves). In fp32:
+# its users compare it with HF generate token for token and with other layouts to 1e-6 (model.dtype=auto would be
+# bf16 on a CPU with native bf16; the e2e runs that only check behaviour keep auto, so CI runs the bf16 path too).
 PLAIN_JOB = ("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-             "critic.ppo_mini_batch_size=8", "trainer.total_training_steps=2", "trainer.save_freq=-1")
+             "critic.ppo_mini_batch_size=8", "trainer.total_training_steps=2", "trainer.save_freq=-1",
+             "actor_rollout_ref.model.dtype=float32", "critic.model.dtype=float32")
 
 
 @pytest.fixture(scope="session")

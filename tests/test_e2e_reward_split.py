@@ -55,7 +55,9 @@ def test_grpo_with_reward_model_scores_like_hf(assets, tmp_path):
               "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
               "trainer.total_training_steps=2", "trainer.save_freq=-1", "reward_model.enable=true",
               f"reward_model.model.path={assets['rm']}", "reward_model.reward_mode=replace",
-              f"trainer.rollout_data_dir={rollouts}"), tmp_path / "grpo_rm.log")
+              f"trainer.rollout_data_dir={rollouts}",
+              # fp32: the scores are compared with HF's reward model to 1e-5
+              "actor_rollout_ref.model.dtype=float32", "reward_model.model.dtype=float32"), tmp_path / "grpo_rm.log")
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:

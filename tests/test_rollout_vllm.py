@@ -42,8 +42,10 @@ def engine(request, tmp_path_factory):
     arch = request.param
     path = save_tiny_model(tmp_path_factory.mktemp(f"tiny_{arch}"), preset="tiny", arch=arch)
     rng_before = torch.get_rng_state()
+    # fp32: these compare with HF transformers token for token (bf16 flips ties; its bound is in
+    # tests/test_hybrid_engine_workers.py)
     rollout = VLLMRollout(str(path), RolloutConfig(response_length=R, n=1, seed=3,
-                                                   kv_cache_memory_bytes=64 * 1024 * 1024))
+                                                   kv_cache_memory_bytes=64 * 1024 * 1024), dtype="float32")
     rollout.rng_kept_at_start = torch.equal(torch.get_rng_state(), rng_before)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     yield rollout, hf, path

@@ -48,7 +48,7 @@ def main(model_dir: str, new_dir: str, out_dir: str) -> None:
     cfg = RolloutConfig(tensor_model_parallel_size=2, response_length=R, ignore_eos=True, seed=7,
                         kv_cache_memory_bytes=64 * 1024 * 1024)
     t0 = time.perf_counter()
-    rollout = VLLMRollout(model_dir, cfg)
+    rollout = VLLMRollout(model_dir, cfg, dtype="float32")  # compared with HF fp32
     saved["tp2_layout"] = (rollout.num_replicas, rollout.replica_rank, rollout.tp_rank)
     saved["tp2_engine_s"] = rollout.engine_start_s
     out, local = generate_all(rollout, greedy)
@@ -74,7 +74,7 @@ def main(model_dir: str, new_dir: str, out_dir: str) -> None:
 
     cfg = RolloutConfig(tensor_model_parallel_size=1, response_length=R, ignore_eos=True, seed=7,
                         kv_cache_memory_bytes=64 * 1024 * 1024)
-    rollout = VLLMRollout(model_dir, cfg)
+    rollout = VLLMRollout(model_dir, cfg, dtype="float32")  # compared with HF fp32
     saved["dp2_layout"] = (rollout.num_replicas, rollout.replica_rank, rollout.tp_rank)
     out, local = generate_all(rollout, greedy)
     saved["dp2_greedy"] = out.batch["responses"]
