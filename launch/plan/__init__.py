@@ -28,9 +28,10 @@ class Plan:
         return sum(s.seconds for s in self.stages)
 
     @property
-    def tokens(self) -> int:
-        """Prompt + response tokens of one step (every response at full length), verl's perf/total_num_tokens."""
-        return self.job.sequences * self.job.seq_len
+    def tokens(self) -> float:
+        """Real prompt + response tokens of one step (verl's perf/total_num_tokens): the response-length distribution's
+        mean (every response at the budget when none is given)."""
+        return self.job.sequences * self.job.mean_tokens
 
     @property
     def tokens_per_gpu_s(self) -> float:
