@@ -207,7 +207,7 @@ def measured_cases() -> list[dict]:
         plan = plan_config(load_config(REPO / m["config"], m.get("overrides", [])), Options(**m.get("options", {})))
         predicted = plan.step_s if m["metric"] == "step_s" else plan.tokens_per_gpu_s
         out.append(case("measured", m["case"], predicted, float(m["value"]), m["metric"],
-                        f"{path.relative_to(REPO)}: {m.get('source', '')}", kind="measured"))
+                        f"docs/measured/{path.name}: {m.get('source', '')}", kind="measured"))
     return out
 
 
