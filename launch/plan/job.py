@@ -47,6 +47,9 @@ class Options:
     # "packed" (remove-padding / THD packing: real tokens only; verl's use_remove_padding, NeMo-RL's packing),
     # "pad" (every row at the full budget).
     packing: str = "trim"
+    # Megatron DDP's overlap_grad_reduce/overlap_param_gather: the DP gradient sync hides behind the backward. Our
+    # DDP runs without it (megatron_workers/optimizer.py); a planning what-if for other trainers (the paper's).
+    overlap_grad_reduce: bool = False
 
 
 @dataclass(frozen=True)

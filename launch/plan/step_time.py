@@ -118,6 +118,7 @@ class StageTime:
     name: str
     seconds: float
     detail: str
+    parts: tuple[tuple[str, float], ...] = ()  # the terms that add up to `seconds` (what a layout choice turns on)
 
 
 def matmul_params(role_or_shape, scalar_head: bool = False) -> float:
@@ -169,9 +170,12 @@ def forward_pass(job: Job, role: Role, name: str) -> StageTime:
     seq = job.compute_seq_len(micro)
     flops = forward_flops(role, seq, job.sequences)
     comm = model_parallel_comm_s(job, role, 4, seq)
-    sec = (flops / (gpus * job.device.peak_flops * eff("forward_mfu")) + comm) * _bubble(d.pp, m)
+    compute = flops / (gpus * job.device.peak_flops * eff("forward_mfu"))
+    bubble = _bubble(d.pp, m)
+    sec = (compute + comm) * bubble
     return StageTime(name, sec, f"{flops:.3g} FLOP on {gpus} GPUs at {eff('forward_mfu'):.0%} MFU ({seq:.0f} "
-                                f"tokens/row), TP/PP comm {comm:.1f} s, bubble p={d.pp} m={m}")
+                                f"tokens/row), TP/PP comm {comm:.1f} s, bubble p={d.pp} m={m}",
+                     (("compute", compute), ("TP/PP comm", comm), ("pipeline bubble", sec - compute - comm)))
 
 
 def dp_link_bytes_s(job: Job, role: Role) -> float:
@@ -190,16 +194,21 @@ def update(job: Job, role: Role, name: str) -> StageTime:
     flops = role.epochs * (dense * (3 + extra_fwd) + attn * attn_passes)
     m = train_micro_batches(job, role)
     mp_comm = role.epochs * model_parallel_comm_s(job, role, 8 + (4 if opts.recompute == "full" else 0), seq)
-    compute = (flops / (job.world * job.device.peak_flops * eff("train_mfu")) + mp_comm) * _bubble(d.pp, m, opts.vpp)
+    math_s = flops / (job.world * job.device.peak_flops * eff("train_mfu"))
+    compute = (math_s + mp_comm) * _bubble(d.pp, m, opts.vpp)
     steps = role.epochs * (job.prompts // role.mini_batch)
     n_rank = M.stage_params(role.shape, d.tp, d.pp, 0, role.scalar_head)
     dpc = d.dp * d.cp
     b = M.BYTES_PER_PARAM[job.dtype]
     sync_bytes = (dpc - 1) / dpc * n_rank * (b["grad"] + b["param"]) if dpc > 1 else 0.0  # reduce-scatter + gather
     comm = steps * sync_bytes / dp_link_bytes_s(job, role)
+    if opts.overlap_grad_reduce:  # hidden behind the backward (2/3 of the math without recompute), what is left shows
+        comm = max(0.0, comm - math_s * 2 / (3 + extra_fwd))
     return StageTime(name, compute + comm, f"{flops:.3g} FLOP at {eff('train_mfu'):.0%} MFU ({seq:.0f} tokens/row), "
                                            f"TP/PP comm {mp_comm:.1f} s, bubble p={d.pp} m={m} v={opts.vpp}; {steps} "
-                                           f"optimizer steps, grad sync {comm:.2f} s")
+                                           f"optimizer steps, grad sync {comm:.2f} s",
+                     (("compute", math_s), ("TP/PP comm", mp_comm), ("pipeline bubble", compute - math_s - mp_comm),
+                      ("DP grad sync", comm)))
 
 
 def transition_link_bytes_s(job: Job) -> float:
@@ -316,7 +325,7 @@ def generation(job: Job) -> StageTime:
     return StageTime("generate", sec, f"{replicas} replicas x {per_replica} seqs, {slots} slots; {total_steps} decode "
                                       f"steps ({tail_steps} in the tail below {slots // 4} running), "
                                       f"{decode_s / max(1, total_steps) * 1e3:.1f} ms/step mean, prefill "
-                                      f"{prefill_s:.1f} s")
+                                      f"{prefill_s:.1f} s", (("prefill", prefill_s), ("decode", decode_s)))
 
 
 def offload_traffic(job: Job) -> StageTime:
