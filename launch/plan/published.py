@@ -50,6 +50,17 @@ RECIPE_PUBLISHED = {"qwen2_7b_ppo_1node.yaml": "verl_ppo_qwen2_7b", "qwen2_7b_gr
 # max_num_seqs 1024 (v0.6.0 rollout.yaml).
 VERL_OPTIONS = Options(gpu="h100", recompute="full", packing="packed", max_num_seqs=1024, prompt_length_mean=105,
                        response_length_mean=250, response_length_p99=600)
+TARGET = 0.25  # issue #27: max |relative error| over the numeric cases
+# Why a source's cases can stay beyond TARGET (printed with the case when they do).
+BEYOND_TARGET = {
+    "verl": "the figure comes without its setting (which example script: GSM8K alone or with MATH; the response "
+            "lengths; verl's scripts train with FSDP, not Megatron) and no length closes the gap: at 50-400-token "
+            "responses the plan stays at 1,450-1,760 (PPO) and 3,280-3,390 (GRPO) tokens/GPU/s, so the published "
+            "step ran 1.4-1.5x slower than the planner's Megatron estimate. Nothing in EFFICIENCY was set by looking "
+            "at verl: tuning train_mfu to 0.30 would bring both inside 25%, with no source for 0.30",
+    "nemo-rl": "not counted: NeMo-RL's refit, Ray dispatch and per-stage set-up; every row is predicted short",
+    "hybridflow-paper": "the paper's testbed inter-node efficiency is read from its own transition figures",
+}
 VERL_ASSUMED = ("prompt mean 105 (verl quickstart log); ASSUMED responses mean 250, p99 600; packed (remove_padding), "
                 "full recompute (gradient checkpointing), max_num_seqs 1024; verl ran FSDP, we plan Megatron")
 
@@ -133,8 +144,12 @@ def plan_overrides(overrides: list[str], options: Options) -> Plan:
 
 def case(source: str, name: str, predicted: float, published: float, counts: str, setting: str,
          kind: str = "value") -> dict:
-    return {"source": source, "case": name, "kind": kind, "predicted": predicted, "published": published,
-            "rel_error": (predicted - published) / published, "counts": counts, "setting": setting}
+    err = (predicted - published) / published
+    out = {"source": source, "case": name, "kind": kind, "predicted": predicted, "published": published,
+           "rel_error": err, "counts": counts, "setting": setting}
+    if abs(err) > TARGET:
+        out["why_beyond_target"] = BEYOND_TARGET.get(source, "")
+    return out
 
 
 # ---- the cases, one function per source --------------------------------------------------------------------------
@@ -156,8 +171,8 @@ def paper_cases() -> list[dict]:
     ds = deepspeed_chat_recv_bytes(model_bytes, d.tp, d.pp, d.dp) / (plan.job.device.internode_bytes_s
                                                                       * eff("internode_link"))
     published_hf = saved * (1 - reduction) / reduction
-    setting = ("70B (8,8)->t_g=8 on 16x8 A100, 200 Gb/s per node; the inter-node all-gather at EFFICIENCY "
-               "internode_link (the paper's link read as 100 Gb/s each way: ASSUMED)")
+    setting = ("70B (8,8)->t_g=8 on 16x8 A100, 200 Gb/s per node; each rank's Table 2 volume over its 1/8 share of "
+               "the NIC at EFFICIENCY internode_link = 0.5 (read from these figures: ASSUMED)")
     src = "hybridflow-paper"
     return [
         case(src, "transition 70B, HybridFlow (s)", ours, published_hf, "seconds of the train->generate transition",
@@ -320,7 +335,8 @@ def render_cases(result: dict) -> str:
     for i, c in enumerate(c for c in result["cases"] if c["kind"] != "layout"):
         rows.append([f"[{i + 1}] {c['case']}", c["source"], f"{c['predicted']:.4g}", f"{c['published']:.4g}",
                      f"{c['rel_error']:+.1%}"])
-        notes.append(f"[{i + 1}] counts {c['counts']}; {c['setting']}")
+        notes.append(f"[{i + 1}] counts {c['counts']}; {c['setting']}"
+                     + (f"\n    beyond {TARGET:.0%}: {c['why_beyond_target']}" if "why_beyond_target" in c else ""))
     for c in result["cases"]:
         if c["kind"] == "layout":
             choice = tuple(c["planner_choice"]) if c["planner_choice"] else "none fits"
