@@ -239,3 +239,9 @@ def test_lengths_dataclass_is_what_a_job_carries():
     plan = make_plan(PPO, [], Options(response_length_mean=250, response_length_p99=600))
     assert isinstance(plan.job.lengths, Lengths) and plan.job.lengths.mean == 250
     assert plan.tokens == pytest.approx(1024 * (1024 + plan.job.lengths.sample_mean()))
+
+
+def test_docs_table_is_the_planners_output(result):
+    text = (REPO / "docs" / "scale.md").read_text()
+    block = text.split(P.DOC_BEGIN, 1)[1].split(P.DOC_END, 1)[0].strip()
+    assert block == P.render_markdown(result), "run python -m launch.plan --write-headers"

@@ -354,3 +354,25 @@ def render_cases(result: dict) -> str:
                "what decides"], layouts),
         f"max |relative error| over the numeric cases: {result['max_rel_error']:.1%}\n"
         f"leave one source out (its cases with the EFFICIENCY entries it informed at their prior): {loso}"])
+
+
+DOC_BEGIN, DOC_END = "<!-- against-published:begin -->", "<!-- against-published:end -->"
+
+
+def render_markdown(result: dict) -> str:
+    """The docs' table (docs/scale.md, between DOC_BEGIN and DOC_END; `--write-headers` rewrites it)."""
+    rows = ["| case | source | predicted | published | error |", "|---|---|---|---|---|"]
+    for c in result["cases"]:
+        if c["kind"] != "layout":
+            rows.append(f"| {c['case']} | {c['source']} | {c['predicted']:.4g} | {c['published']:.4g} | "
+                        f"{c['rel_error']:+.0%} |")
+    rows += ["", "| Fig. 14 model | paper's (t, p, t_g), planned | planner's choice | with overlapped DP sync |",
+             "|---|---|---|---|"]
+    for c in result["cases"]:
+        if c["kind"] == "layout":
+            rows.append(f"| {c['case'].removeprefix('Fig. 14 layout ')} | {tuple(c['paper'])} "
+                        f"{c['paper_layout_step_s']:.0f} s | {tuple(c['planner_choice'])} "
+                        f"{c['planner_choice_step_s']:.0f} s | {tuple(c['planner_choice_overlapped_grad_sync'])} |")
+    loso = ", ".join(f"{k} {v:.0%}" for k, v in result["leave_one_source_out"].items() if v is not None)
+    rows += ["", f"Max |error| {result['max_rel_error']:.0%}; leave one source out: {loso}."]
+    return "\n".join(rows)

@@ -105,7 +105,8 @@ def render(plan: Plan) -> str:
 
 def refresh_recipe_headers(repo) -> list[str]:
     """Re-plan every configs/recipes/*.yaml with the command its `# plan:` line names, rewrite its expected memory
-    and step lines, and the matching row of docs/scale.md's recipe table. Returns the recipes that changed."""
+    and step lines, the matching row of docs/scale.md's recipe table and its against-published table. Returns what
+    changed."""
     import re
     import shlex
     from pathlib import Path
@@ -133,5 +134,12 @@ def refresh_recipe_headers(repo) -> list[str]:
         cells = f"{plan.memory.peak.total / GiB:.1f} GiB | {plan.step_s:.0f} s |"
         doc = re.sub(rf"^(\| {path.stem} \|.*\| )[\d.]+ GiB \| \d+ s \|$", lambda r, c=cells: r.group(1) + c, doc,
                      flags=re.M)
-    scale.write_text(doc)
+    from launch.plan.published import DOC_BEGIN, DOC_END, against_published, render_markdown
+
+    if DOC_BEGIN in doc:
+        head, rest = doc.split(DOC_BEGIN, 1)
+        doc = f"{head}{DOC_BEGIN}\n{render_markdown(against_published())}\n{DOC_END}{rest.split(DOC_END, 1)[1]}"
+    if doc != scale.read_text():
+        scale.write_text(doc)
+        changed.append("docs/scale.md")
     return changed
