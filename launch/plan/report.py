@@ -27,7 +27,9 @@ def layout_lines(plan: Plan) -> list[str]:
     out = [f"cluster: {j.nnodes} nodes x {j.gpus_per_node} {j.device.name} = {j.world} GPUs per pool, "
            f"placement={j.placement} ({len(j.pools)} pool{'s' if len(j.pools) > 1 else ''}, {j.total_gpus} GPUs)",
            f"batch: {j.prompts} prompts x n={j.n}, {j.prompt_len} prompt + {j.response_len} response tokens, "
-           f"dtype {j.dtype}, kernels {j.options.kernels}, recompute {j.options.recompute}, vpp {j.options.vpp}"]
+           f"dtype {j.dtype}, kernels {j.options.kernels}, recompute {j.options.recompute}, vpp {j.options.vpp}",
+           f"lengths: responses {j.lengths.source} (mean {j.lengths.sample_mean():.0f} after the budget), prompt mean "
+           f"{j.prompt_mean:.0f}, micro-batches {j.options.packing}"]
     for name, r in j.roles.items():
         d = r.dims
         out.append(f"  {name:<12} {r.shape.name} ({r.shape.source}): tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp} "
