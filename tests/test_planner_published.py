@@ -198,8 +198,8 @@ def test_cli_last_line_is_the_json(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     last = json.loads(out[-1])
     assert {"cases", "max_rel_error", "leave_one_source_out"} <= set(last)
-    assert all({"source", "kind", "predicted", "published", "rel_error"} <= set(c) for c in last["cases"]
-               if c["kind"] != "layout")
+    assert all({"source", "kind", "predicted", "published", "rel_error"} <= set(c) for c in last["cases"])
+    assert all(c["rel_error"] is None for c in last["cases"] if c["kind"] == "layout")
     assert any(line.startswith("leave one source out") for line in out)
 
 

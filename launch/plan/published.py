@@ -292,6 +292,8 @@ def layout_cases() -> list[dict]:
         paper_plan = plans.get(paper_layout)
         why = deciding_terms(paper_plan, fitting[best]) if paper_plan and best and best != paper_layout else ""
         out.append({"source": "hybridflow-paper", "case": f"Fig. 14 layout {model}", "kind": "layout",
+                    # a choice, not a number: predicted/published are (t, p, t_g), and there is no relative error
+                    "predicted": list(best) if best else None, "published": list(paper_layout), "rel_error": None,
                     "paper": list(paper_layout), "paper_layout_fits": bool(paper_plan and paper_plan.memory.fits),
                     "paper_layout_peak_gib": paper_plan.memory.peak.total / 1024**3 if paper_plan else None,
                     "paper_layout_step_s": paper_plan.step_s if paper_plan else None,
