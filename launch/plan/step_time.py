@@ -54,11 +54,12 @@ EFFICIENCY: dict[str, Eff] = {
     # Decode reads every weight and the KV cache of every running sequence once per step: memory-bound. STREAM-like
     # copies reach ~85-90% of the HBM datasheet bandwidth on A100/H100; paged-attention and GEMV kernels less.
     "decode_hbm": Eff(0.70, "memory-bound decode: ~85-90% STREAM bandwidth, less for paged KV reads and GEMV"),
-    # Between two CUDA-graph replays vLLM schedules, prepares inputs and samples on the CPU. vLLM's "v0.6.0
-    # performance update" blog (Sept 2024) measured CPU-side work at a large share of an 8B decode step on H100 before
-    # it overlapped scheduling; V1 overlaps part of it. 2 ms per step is an estimate from those figures, not fitted.
+    # Between two CUDA-graph replays vLLM schedules, prepares inputs and samples on the CPU. vLLM's "v0.6.0: 2.7x
+    # throughput improvement" blog (2024-09-05) profiled Llama 3 8B on 1 H100: 29% of the time in scheduling and
+    # input preparation (+33% in the HTTP server, which an offline LLM.generate does not have), at decode steps of
+    # roughly 7-20 ms; v0.6+ and V1 overlap part of it. 2 ms per step is an estimate from those figures, not fitted.
     "decode_step_overhead_s": Eff(2e-3, "vLLM per-step scheduling + input prep + sampling on the CPU (vLLM v0.6.0 "
-                                        "performance blog: a large share of an 8B H100 step); estimate"),
+                                        "blog: 29% of an 8B H100 decode in scheduling before overlap); estimate"),
     # NCCL ring all-gather / reduce-scatter and p2p reach ~80% of NVLink bandwidth at large messages (nccl-tests
     # busbw on DGX A100/H100).
     "link": Eff(0.80, "NCCL bus bandwidth at large messages ~80% of NVLink (nccl-tests)"),
