@@ -245,3 +245,19 @@ def test_docs_table_is_the_planners_output(result):
     text = (REPO / "docs" / "scale.md").read_text()
     block = text.split(P.DOC_BEGIN, 1)[1].split(P.DOC_END, 1)[0].strip()
     assert block == P.render_markdown(result), "run python -m launch.plan --write-headers"
+
+
+def test_generation_waits_for_the_slowest_replica():
+    plan = make_plan(PPO, [], Options(response_length_mean=250, response_length_p99=600, prompt_length_mean=105))
+    job, gen = plan.job, next(s for s in plan.stages if s.name == "generate")
+    decode = dict(gen.parts)["decode"]
+    replicas = job.world // job.t_g
+    every = job.lengths.sample(job.sequences)
+    t_g, shape = job.t_g, job.roles["actor"].shape
+    model = S.DecodeModel(job.device.peak_flops, job.device.hbm_bytes_s, S.matmul_params(shape) / t_g, 2,
+                          M.kv_bytes_per_token(shape, t_g, 2), shape.num_layers, shape.hidden_size, t_g,
+                          S.link_bytes_s(job, t_g))
+    slots = min(job.sequences // replicas, job.options.max_num_seqs)
+    per = [sum(n * model.step_s(b, kv) for b, n, kv in S.continuous_batching(every[r::replicas], slots, 105))
+           for r in range(replicas)]
+    assert decode == pytest.approx(max(per)) and max(per) > sum(per) / len(per)

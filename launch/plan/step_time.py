@@ -313,8 +313,15 @@ def generation(job: Job) -> StageTime:
     slots = max(1, min(per_replica, job.options.max_num_seqs, fits_kv))
     model = DecodeModel(dev.peak_flops, dev.hbm_bytes_s, matmul_params(shape) / t_g, e, kv_tok, shape.num_layers,
                         shape.hidden_size, t_g, link_bytes_s(job, t_g))
-    segments = continuous_batching(job.lengths.sample(per_replica), slots, prompt)
-    decode_s = sum(steps * model.step_s(batch, kv) for batch, steps, kv in segments)
+    # The batch's lengths, dealt to the replicas in arrival order; generation ends with the slowest replica (the one
+    # holding the batch's longest responses), which every other replica then waits for.
+    every = job.lengths.sample(job.sequences)
+    decode_s, segments = -1.0, []
+    for r in range(min(replicas, job.sequences)):
+        segs = continuous_batching(every[r::replicas], slots, prompt)
+        sec = sum(steps * model.step_s(batch, kv) for batch, steps, kv in segs)
+        if sec > decode_s:
+            decode_s, segments = sec, segs
     total_steps = sum(steps for _, steps, _ in segments)
     tail_steps = sum(steps for batch, steps, _ in segments if batch < slots / 4)
     prefill = per_replica * (2 * matmul_params(shape) * prompt + attention_flops_fwd(shape, prompt)) / t_g
@@ -323,8 +330,9 @@ def generation(job: Job) -> StageTime:
         per_token = 2 * (t_g - 1) / t_g * shape.hidden_size * e / link_bytes_s(job, t_g)
         prefill_s += 2 * shape.num_layers * per_replica * prompt * per_token
     sec = prefill_s + decode_s
-    return StageTime("generate", sec, f"{replicas} replicas x {per_replica} seqs, {slots} slots; {total_steps} decode "
-                                      f"steps ({tail_steps} in the tail below {slots // 4} running), "
+    return StageTime("generate", sec, f"{replicas} replicas x {per_replica} seqs, {slots} slots; slowest replica "
+                                      f"{total_steps} decode steps ({tail_steps} in the tail below {slots // 4} "
+                                      f"running), "
                                       f"{decode_s / max(1, total_steps) * 1e3:.1f} ms/step mean, prefill "
                                       f"{prefill_s:.1f} s", (("prefill", prefill_s), ("decode", decode_s)))
 
