@@ -1,9 +1,11 @@
 """Seconds per stage of one RL step, from FLOPs, memory bandwidth and interconnect bandwidth.
 
-- generate: per wave of concurrent sequences, a compute-bound prefill, then `response_length` decode steps, each
-  bound by the larger of its FLOPs and the bytes it reads (the rank's weights + the KV cache of every running
-  sequence), plus the latency of the two TP all-reduces per layer. Every response is assumed to run to
-  rollout.response_length (an upper bound when EOS stops them earlier).
+- generate: vLLM's continuous batching simulated per replica (continuous_batching) over the job's response lengths
+  (launch/plan/lengths.py: the budget, a mean and p99, or a run's histogram), with as many slots as the KV cache and
+  max_num_seqs allow; each decode step (DecodeModel.step_s) costs vLLM's CPU overhead + the larger of the GEMM FLOPs
+  at the CUDA-graph batch and the weight reads + the KV reads + two TP all-reduces per layer. The step waits for
+  the slowest replica; its long tail (few sequences left, each step still reading every weight) comes out of it.
+  Prefill is compute-bound.
 - log-prob passes (old_log_prob, ref, values, rm): 2N FLOPs per token + attention, over all GPUs of the role,
   stretched by the pipeline bubble (p - 1)/m.
 - updates: 6N per token + 3x the attention forward (+1 forward with full recompute, + the attention forward with
@@ -11,7 +13,9 @@
   all-gather per optimizer step.
 - transition: the 3D-HybridEngine's per-rank receive volume M/t_g - M/(p*max(t, t_g))
   (hybridflow.resharding.planner.optimal_recv_bytes) over the link between the ranks that exchange.
-The efficiencies are one table (EFFICIENCY) with their justification; none is fitted to a published case.
+Tokens per row follow Options.packing (micro-batches trimmed to their longest row, packed, or padded to the budget).
+The efficiencies are one table (EFFICIENCY) with their justification; the one chosen by looking at a published case
+(internode_link) says so and keeps its prior for the leave-one-source-out check.
 """
 
 from __future__ import annotations
