@@ -4,6 +4,7 @@ GPU check's planner prediction."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -129,8 +130,8 @@ def test_shorter_responses_shorten_the_step_and_count_fewer_tokens():
 
 
 def test_response_lengths_move_the_verl_cases_toward_the_published_figures():
-    full = P.VERL_OPTIONS.__class__(**{**P.VERL_OPTIONS.__dict__, "response_length_mean": None,
-                                       "response_length_p99": None, "prompt_length_mean": None})
+    full = dataclasses.replace(P.VERL_OPTIONS, response_length_mean=None, response_length_p99=None,
+                               prompt_length_mean=None)
     for recipe, key in P.RECIPE_PUBLISHED.items():
         published = P.PUBLISHED[key][0]
         at_budget = make_plan(REPO / "configs" / "recipes" / recipe, [], full).tokens_per_gpu_s

@@ -9,6 +9,7 @@ by looking at a source; `leave_one_source_out` replays each source's cases with 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -283,7 +284,7 @@ def layout_cases() -> list[dict]:
     gradient sync overlaps the backward (Megatron's overlap_grad_reduce, which our DDP does not use): the what-if
     that tests whether that term is what separates the planner from the paper. A comparison of choices."""
     layouts, _ = PUBLISHED["fig14"]
-    overlap = Options(**{**PAPER_OPTIONS.__dict__, "overlap_grad_reduce": True})
+    overlap = dataclasses.replace(PAPER_OPTIONS, overlap_grad_reduce=True)
     out = []
     for model, paper_layout in layouts.items():
         plans = dict(candidate_layouts(model))
