@@ -51,7 +51,7 @@ def _result(step_s: float, published=None) -> dict:
 
 
 def test_compare_side_by_side_with_a_published_figure(tmp_path):
-    from launch.plan.paper import PUBLISHED, RECIPE_PUBLISHED
+    from launch.plan.published import PUBLISHED, RECIPE_PUBLISHED
 
     value, source = PUBLISHED[RECIPE_PUBLISHED["qwen2_7b_ppo_1node.yaml"]]
     a, b = _result(10.0), _result(20.0, {"throughput_per_device": value, "source": source})

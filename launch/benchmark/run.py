@@ -112,7 +112,7 @@ def run_benchmark(config: str | None, overrides: list[str], warmup: int = 10, st
     from hybridflow.config.load import load_config
     from hybridflow.trainer.main import count_params, placement_of, trainer_session, validate, validate_cluster
     from launch.benchmark.stages import summarize
-    from launch.plan.paper import PUBLISHED, RECIPE_PUBLISHED
+    from launch.plan.published import PUBLISHED, RECIPE_PUBLISHED
 
     t0 = time.perf_counter()
     all_overrides = bench_overrides(overrides, warmup, steps)

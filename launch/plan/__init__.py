@@ -1,11 +1,12 @@
 """launch.plan: will a HybridFlow config fit its GPUs, and roughly how long is one step? No GPU, no weights.
 
     python -m launch.plan configs/recipes/llama3_70b_ppo_16nodes.yaml --gpu a100 --recompute selective
-    python -m launch.plan --against-paper
+    python -m launch.plan --against-published
 
 Modules: shapes (model shapes: config.json or a known table), devices (GPU/network table), memory (bytes per
-parameter, activation formulas, KV cache), fit (per-stage memory peak and the fit check), step_time (seconds per
-stage), paper (published figures), report (tables). `make_plan` is what the CLI and the tests call.
+parameter, activation formulas, KV cache), fit (per-stage memory peak and the fit check), lengths (response-length
+distributions), step_time (seconds per stage), published (published figures, leave-one-source-out), report
+(tables, recipe headers). `make_plan` is what the CLI and the tests call.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class Plan:
         return sum(s.seconds for s in self.stages)
 
     @property
-    def tokens(self) -> int:
-        """Prompt + response tokens of one step (every response at full length), verl's perf/total_num_tokens."""
-        return self.job.sequences * self.job.seq_len
+    def tokens(self) -> float:
+        """Real prompt + response tokens of one step (verl's perf/total_num_tokens): the response-length distribution's
+        mean (every response at the budget when none is given)."""
+        return self.job.sequences * self.job.mean_tokens
 
     @property
     def tokens_per_gpu_s(self) -> float:

@@ -1,7 +1,7 @@
 """Will a HybridFlow config fit its GPUs, and roughly how long is one step? No GPU, no weights.
 
 python -m launch.plan CONFIG [key=value ...] [--gpu h100|a100|h200] [--recompute none|selective|full] ...
-python -m launch.plan --against-paper
+python -m launch.plan --against-published   (--against-paper: the same)
 
 Exit codes: 0 fits, 1 does not fit (the message names the stage, role, component and overflow, and knobs that
 would fix it), 2 bad input (unknown GPU or model, a layout that does not divide, too few GPUs).
@@ -31,15 +31,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--internode-gbps", type=float, default=None,
                     help="inter-node bandwidth per node in Gb/s (default: the device table's per-GPU NICs)")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="vLLM concurrent sequences per engine")
+    ap.add_argument("--response-length-mean", type=float, default=None,
+                    help="mean response tokens (real runs stop at EOS; default: every response at the budget)")
+    ap.add_argument("--response-length-p99", type=float, default=None,
+                    help="99th percentile of response tokens (default: the budget)")
+    ap.add_argument("--rollout-data-dir", default=None,
+                    help="a run's trainer.rollout_data_dir: its step_*.jsonl give the length histogram and prompt mean")
+    ap.add_argument("--prompt-length-mean", type=float, default=None,
+                    help="mean prompt tokens (default: data.max_prompt_length)")
+    ap.add_argument("--packing", default="trim", help="trim (micro-batch padded to its longest row) | packed "
+                    "(real tokens only) | pad (every row at the budget)")
     ap.add_argument("--header", action="store_true", help="print a recipe header for this plan")
     ap.add_argument("--json", action="store_true", help="also print the plan's numbers as one JSON line")
-    ap.add_argument("--against-paper", action="store_true", help="compare with the published figures")
+    ap.add_argument("--write-headers", action="store_true",
+                    help="re-plan configs/recipes/*.yaml and rewrite their headers and docs/scale.md's table")
+    ap.add_argument("--against-published", "--against-paper", action="store_true", dest="against_published",
+                    help="compare with published figures (HybridFlow paper, verl, NeMo-RL) and docs/measured/*.json")
     return ap.parse_intermixed_args(argv)  # flags may come between the overrides
 
 
 def options_from(args: argparse.Namespace) -> Options:
     return Options(gpu=args.gpu, recompute=args.recompute, vpp=args.vpp, kernels=args.kernels, dtype=args.dtype,
-                   internode_gbps_per_node=args.internode_gbps, max_num_seqs=args.max_num_seqs)
+                   internode_gbps_per_node=args.internode_gbps, max_num_seqs=args.max_num_seqs,
+                   response_length_mean=args.response_length_mean, response_length_p99=args.response_length_p99,
+                   rollout_data_dir=args.rollout_data_dir, prompt_length_mean=args.prompt_length_mean,
+                   packing=args.packing)
 
 
 def summary(plan) -> dict:
@@ -50,15 +66,22 @@ def summary(plan) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.against_paper:
-        from launch.plan.paper import against_paper, render_cases
+    if args.write_headers:
+        from pathlib import Path
 
-        result = against_paper()
+        from launch.plan.report import refresh_recipe_headers
+
+        print("\n".join(refresh_recipe_headers(Path(__file__).resolve().parents[2])) or "headers up to date")
+        return 0
+    if args.against_published:
+        from launch.plan.published import against_published, render_cases
+
+        result = against_published()
         print(render_cases(result))
         print(json.dumps(result))
         return 0
     if not args.config:
-        print("error: give a config file (or --against-paper)", file=sys.stderr)
+        print("error: give a config file (or --against-published)", file=sys.stderr)
         return 2
     from launch.plan import make_plan
     from launch.plan.report import fit_message, header_lines, render

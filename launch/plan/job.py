@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from hybridflow.config.schema import HybridFlowConfig, MegatronConfig
 from hybridflow.parallel.dims import GenerationDims, LayoutError, ParallelDims
 from launch.plan.devices import Device, get_device
+from launch.plan.lengths import Lengths, from_rollout_dir, from_stats
 from launch.plan.memory import KERNEL_PROFILES, LOCAL_PROFILES, RECOMPUTE_MODES, dtype_key
 from launch.plan.shapes import Shape, resolve_shape
+
+PACKINGS = ("trim", "packed", "pad")
 
 
 class PlanInputError(ValueError):
@@ -34,6 +37,19 @@ class Options:
     dtype: str | None = None  # None: actor_rollout_ref.model.dtype, and bf16 for "auto" (a GPU plan)
     internode_gbps_per_node: float | None = None  # replaces the device table's network (e.g. the paper's testbed)
     max_num_seqs: int = 256  # vLLM's default concurrent sequences per engine (EngineArgs.max_num_seqs)
+    # Real runs stop at EOS: the response-length distribution (launch/plan/lengths.py). None: every response at
+    # rollout.response_length. A rollout_data_dir (a run's jsonl samples) gives a histogram and the prompt mean.
+    response_length_mean: float | None = None
+    response_length_p99: float | None = None
+    rollout_data_dir: str | None = None
+    prompt_length_mean: float | None = None  # None: data.max_prompt_length (or the rollout_data_dir mean)
+    # How training/log-prob micro-batches are laid out: "trim" (ours: each micro-batch padded to its longest row),
+    # "packed" (remove-padding / THD packing: real tokens only; verl's use_remove_padding, NeMo-RL's packing),
+    # "pad" (every row at the full budget).
+    packing: str = "trim"
+    # Megatron DDP's overlap_grad_reduce/overlap_param_gather: the DP gradient sync hides behind the backward. Our
+    # DDP runs without it (megatron_workers/optimizer.py); a planning what-if for other trainers (the paper's).
+    overlap_grad_reduce: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,8 @@ class Job:
     options: Options
     old_log_prob_pass: bool
     algorithm: str
+    lengths: Lengths
+    prompt_mean: float
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -92,7 +110,21 @@ class Job:
 
     @property
     def seq_len(self) -> int:
+        """The budget: what memory is planned for (a micro-batch of full-length rows can happen)."""
         return self.prompt_len + self.response_len
+
+    @property
+    def mean_tokens(self) -> float:
+        """Real prompt + response tokens of one sample (what verl's perf/total_num_tokens counts)."""
+        return self.prompt_mean + self.lengths.sample_mean()
+
+    def compute_seq_len(self, micro_rows: int) -> float:
+        """Tokens per row that a micro-batch of `micro_rows` rows computes on (Options.packing)."""
+        if self.options.packing == "packed":
+            return self.mean_tokens
+        if self.options.packing == "pad":
+            return float(self.seq_len)
+        return min(float(self.seq_len), self.prompt_mean + self.lengths.expected_max(max(1, micro_rows)))
 
 
 def _dims(key: str, m: MegatronConfig, world: int, shape: Shape) -> ParallelDims:
@@ -245,9 +277,26 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
                                      _dims("reward_model.megatron", rm.megatron, world, shape), False, True, False, off,
                                      off_keys, 0, rm.micro_batch_size_per_gpu, 0, 0,
                                      pool("reward_model"))
+    if options.packing not in PACKINGS:
+        raise PlanInputError(f"--packing {options.packing!r}; choose one of {', '.join(PACKINGS)}")
+    budget = a.rollout.response_length
+    try:
+        if options.rollout_data_dir:
+            lengths, prompt_mean = from_rollout_dir(budget, options.rollout_data_dir)
+        else:
+            lengths = from_stats(budget, options.response_length_mean, options.response_length_p99)
+            prompt_mean = float(cfg.data.max_prompt_length)
+    except ValueError as e:
+        raise PlanInputError(str(e)) from None
+    if options.prompt_length_mean is not None:
+        if not 0 < options.prompt_length_mean <= cfg.data.max_prompt_length:
+            raise PlanInputError(f"--prompt-length-mean {options.prompt_length_mean:g} must be in "
+                                 f"(0, data.max_prompt_length={cfg.data.max_prompt_length}]")
+        prompt_mean = float(options.prompt_length_mean)
     return Job(roles=roles, t_g=a.rollout.tensor_model_parallel_size, n=a.rollout.n, prompts=rows,
                prompt_len=cfg.data.max_prompt_length, response_len=a.rollout.response_length,
                kv_cache_bytes=kv_cache_bytes(a.rollout, actor_shape, dtype, device),
                bucket_bytes=a.rollout.reshard_bucket_bytes,
                nnodes=t.nnodes, gpus_per_node=t.n_gpus_per_node, placement=t.placement, dtype=dtype, device=device,
-               options=options, old_log_prob_pass=not skips_old_log_prob(cfg), algorithm=cfg.algorithm.adv_estimator)
+               options=options, old_log_prob_pass=not skips_old_log_prob(cfg), algorithm=cfg.algorithm.adv_estimator,
+               lengths=lengths, prompt_mean=prompt_mean)

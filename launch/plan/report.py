@@ -27,7 +27,9 @@ def layout_lines(plan: Plan) -> list[str]:
     out = [f"cluster: {j.nnodes} nodes x {j.gpus_per_node} {j.device.name} = {j.world} GPUs per pool, "
            f"placement={j.placement} ({len(j.pools)} pool{'s' if len(j.pools) > 1 else ''}, {j.total_gpus} GPUs)",
            f"batch: {j.prompts} prompts x n={j.n}, {j.prompt_len} prompt + {j.response_len} response tokens, "
-           f"dtype {j.dtype}, kernels {j.options.kernels}, recompute {j.options.recompute}, vpp {j.options.vpp}"]
+           f"dtype {j.dtype}, kernels {j.options.kernels}, recompute {j.options.recompute}, vpp {j.options.vpp}",
+           f"lengths: responses {j.lengths.source} (mean {j.lengths.sample_mean():.0f} after the budget), prompt mean "
+           f"{j.prompt_mean:.0f}, micro-batches {j.options.packing}"]
     for name, r in j.roles.items():
         d = r.dims
         out.append(f"  {name:<12} {r.shape.name} ({r.shape.source}): tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp} "
@@ -61,7 +63,7 @@ def memory_table(plan: Plan) -> str:
 
 def time_table(plan: Plan) -> str:
     rows = [[s.name, f"{s.seconds:.1f}", s.detail] for s in plan.stages]
-    rows.append(["step", f"{plan.step_s:.1f}", f"{plan.tokens} tokens, {plan.tokens_per_gpu_s:.0f} tokens/GPU/s"])
+    rows.append(["step", f"{plan.step_s:.1f}", f"{plan.tokens:.0f} tokens, {plan.tokens_per_gpu_s:.0f} tokens/GPU/s"])
     return table(["stage", "seconds", "how"], rows)
 
 
@@ -71,7 +73,7 @@ def assumptions(plan: Plan) -> str:
              f"HBM {dev.hbm_bytes_s / 1e12:.2f} TB/s, NVLink {dev.nvlink_bytes_s / 1e9:.0f} GB/s, "
              f"inter-node {dev.internode_bytes_s / 1e9:.3g} GB/s per GPU"]
     lines += [f"  {k}: {v}" for k, v in dev.sources]
-    lines += [f"efficiency {k} = {v[0]:g}: {v[1]}" for k, v in EFFICIENCY.items()]
+    lines += [f"efficiency {k} = {v.value:g}: {v.source}" for k, v in EFFICIENCY.items()]
     lines += [f"overhead {k} = {gib(v[0])} GiB: {v[1]}" for k, v in M.OVERHEADS.items()]
     lines.append(f"activations: {M.KERNEL_PROFILES[plan.job.options.kernels].source}")
     return "\n".join(lines)
@@ -101,3 +103,45 @@ def header_lines(plan: Plan, command: str) -> list[str]:
 
 def render(plan: Plan) -> str:
     return "\n\n".join(["\n".join(layout_lines(plan)), memory_table(plan), time_table(plan), assumptions(plan)])
+
+
+def refresh_recipe_headers(repo) -> list[str]:
+    """Re-plan every configs/recipes/*.yaml with the command its `# plan:` line names, rewrite its expected memory
+    and step lines, the matching row of docs/scale.md's recipe table and its against-published table. Returns what
+    changed."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from launch.plan import make_plan
+    from launch.plan.__main__ import options_from, parse_args
+
+    repo = Path(repo)
+    scale = repo / "docs" / "scale.md"
+    doc = scale.read_text()
+    changed = []
+    for path in sorted((repo / "configs" / "recipes").glob("*.yaml")):
+        text = path.read_text()
+        m = re.search(r"^# plan: python -m launch\.plan (.*)$", text, re.M)
+        if not m:
+            continue
+        args = parse_args(shlex.split(m.group(1)))
+        plan = make_plan(repo / args.config, args.overrides, options_from(args))
+        _, mem, step = header_lines(plan, "")
+        new = re.sub(r"^# expected memory per GPU: .*$", mem, text, flags=re.M)
+        new = re.sub(r"^# expected step time: .*$", step, new, flags=re.M)
+        if new != text:
+            path.write_text(new)
+            changed.append(path.name)
+        cells = f"{plan.memory.peak.total / GiB:.1f} GiB | {plan.step_s:.0f} s |"
+        doc = re.sub(rf"^(\| {path.stem} \|.*\| )[\d.]+ GiB \| \d+ s \|$", lambda r, c=cells: r.group(1) + c, doc,
+                     flags=re.M)
+    from launch.plan.published import DOC_BEGIN, DOC_END, against_published, render_markdown
+
+    if DOC_BEGIN in doc:
+        head, rest = doc.split(DOC_BEGIN, 1)
+        doc = f"{head}{DOC_BEGIN}\n{render_markdown(against_published())}\n{DOC_END}{rest.split(DOC_END, 1)[1]}"
+    if doc != scale.read_text():
+        scale.write_text(doc)
+        changed.append("docs/scale.md")
+    return changed

@@ -44,10 +44,18 @@ KNOWN_CONFIGS: dict[str, dict] = {
     "Llama-2-13b-hf": _llama(40, 5120, 40, 40, 13824, 32000, 10000.0, 4096, 1e-5),
     "CodeLlama-34b-hf": _llama(48, 8192, 64, 8, 22016, 32000, 1000000.0, 16384, 1e-5),
     "Llama-2-70b-hf": _llama(80, 8192, 64, 8, 28672, 32000, 10000.0, 4096, 1e-5),
+    # Qwen/Qwen3-32B/config.json: 64 layers, hidden 5120, 64 heads of head_dim 128 (q width 8192 > hidden), 8 KV
+    # heads, ffn 25600, vocab 151936, untied. Planned as a Llama-architecture body: Qwen3 adds only q/k RMSNorm
+    # (2 x 128 weights per layer) and has no qkv bias; the Megatron builder does not map model_type qwen3 yet.
+    "Qwen3-32B": {**_llama(64, 5120, 64, 8, 25600, 151936, 1000000.0, 40960, 1e-6), "head_dim": 128},
 }
 # Fine-tuned variants share the base model's shape.
 ALIASES = {"Meta-Llama-3-8B-Instruct": "Meta-Llama-3-8B", "Meta-Llama-3-70B-Instruct": "Meta-Llama-3-70B",
-           "Llama-3-8B": "Meta-Llama-3-8B", "Llama-3-70B": "Meta-Llama-3-70B", "Qwen2-7B-Instruct": "Qwen2-7B",
+           "Llama-3-8B": "Meta-Llama-3-8B",
+           # Llama 3.1 8B has Llama 3 8B's shape (it changes rope scaling and the context length only)
+           "Llama-3.1-8B": "Meta-Llama-3-8B", "Llama-3.1-8B-Instruct": "Meta-Llama-3-8B",
+           "Meta-Llama-3.1-8B-Instruct": "Meta-Llama-3-8B", "Llama-3-70B": "Meta-Llama-3-70B",
+           "Qwen2-7B-Instruct": "Qwen2-7B",
            "Llama-2-7b": "Llama-2-7b-hf", "Llama-2-13b": "Llama-2-13b-hf", "Llama-2-70b": "Llama-2-70b-hf",
            "CodeLlama-34b": "CodeLlama-34b-hf", "Llama-2-7b-chat-hf": "Llama-2-7b-hf",
            "Llama-2-13b-chat-hf": "Llama-2-13b-hf", "Llama-2-70b-chat-hf": "Llama-2-70b-hf"}

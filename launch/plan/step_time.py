@@ -1,9 +1,11 @@
 """Seconds per stage of one RL step, from FLOPs, memory bandwidth and interconnect bandwidth.
 
-- generate: per wave of concurrent sequences, a compute-bound prefill, then `response_length` decode steps, each
-  bound by the larger of its FLOPs and the bytes it reads (the rank's weights + the KV cache of every running
-  sequence), plus the latency of the two TP all-reduces per layer. Every response is assumed to run to
-  rollout.response_length (an upper bound when EOS stops them earlier).
+- generate: vLLM's continuous batching simulated per replica (continuous_batching) over the job's response lengths
+  (launch/plan/lengths.py: the budget, a mean and p99, or a run's histogram), with as many slots as the KV cache and
+  max_num_seqs allow; each decode step (DecodeModel.step_s) costs vLLM's CPU overhead + the larger of the GEMM FLOPs
+  at the CUDA-graph batch and the weight reads + the KV reads + two TP all-reduces per layer. The step waits for
+  the slowest replica; its long tail (few sequences left, each step still reading every weight) comes out of it.
+  Prefill is compute-bound.
 - log-prob passes (old_log_prob, ref, values, rm): 2N FLOPs per token + attention, over all GPUs of the role,
   stretched by the pipeline bubble (p - 1)/m.
 - updates: 6N per token + 3x the attention forward (+1 forward with full recompute, + the attention forward with
@@ -11,7 +13,9 @@
   all-gather per optimizer step.
 - transition: the 3D-HybridEngine's per-rank receive volume M/t_g - M/(p*max(t, t_g))
   (hybridflow.resharding.planner.optimal_recv_bytes) over the link between the ranks that exchange.
-The efficiencies are one table (EFFICIENCY) with their justification; none is fitted to a published case.
+Tokens per row follow Options.packing (micro-batches trimmed to their longest row, packed, or padded to the budget).
+The efficiencies are one table (EFFICIENCY) with their justification; the one chosen by looking at a published case
+(internode_link) says so and keeps its prior for the leave-one-source-out check.
 """
 
 from __future__ import annotations
@@ -24,31 +28,94 @@ from launch.plan import memory as M
 from launch.plan.fit import elem_bytes, train_micro_batches
 from launch.plan.job import Job, Role
 
-EFFICIENCY = {
-    # Model FLOP utilisation of Megatron training: Narayanan et al. 2021 (SC'21, "Efficient Large-Scale Language
-    # Model Training on GPU Clusters") report 44-52% of A100 peak for 18B-1T GPT, communication included; RL updates
-    # use short sequences and small micro-batches, so 40% for the compute alone (TP/PP communication, the pipeline
-    # bubble and the gradient sync are added separately below).
-    "train_mfu": (0.40, "Megatron GPT training reaches 44-52% of peak (Narayanan et al. 2021); 40% for RL's small "
-                        "micro-batches, communication counted apart"),
-    # Forward-only passes run the same GEMMs without the backward: same efficiency.
-    "forward_mfu": (0.40, "same kernels as training's forward"),
-    # vLLM prefill is a batch of long sequences: large GEMMs, like a training forward.
-    "prefill_mfu": (0.40, "prefill GEMMs are training-sized"),
-    # Decode reads every weight once per step: a memory-bound GEMV; well-tuned kernels reach 70-85% of the HBM
-    # peak (STREAM-like copy bandwidth on A100/H100 is ~85-90% of the datasheet); vLLM's scheduling and
-    # sampling between steps take some of it: 70%.
-    "decode_hbm": (0.70, "memory-bound decode: ~85% STREAM bandwidth less vLLM per-step overhead"),
-    # NCCL ring all-gather / reduce-scatter and p2p reach ~80% of link bandwidth at large messages
-    # (nccl-tests busbw on DGX A100/H100).
-    "link": (0.80, "NCCL bus bandwidth at large messages ~80% of the link (nccl-tests)"),
+
+@dataclass(frozen=True)
+class Eff:
+    """One efficiency: its value, why, which published sources (PUBLISHED_SOURCES in launch/plan/published.py) were
+    looked at to choose it, and the value it would have without them (`prior`): the leave-one-source-out check
+    replays a source's cases with `prior` for every entry that source informed."""
+
+    value: float
+    source: str
+    informed_by: frozenset[str] = frozenset()
+    prior: float | None = None
+
+
+EFFICIENCY: dict[str, Eff] = {
+    # Megatron-LM's README: "up to 47% MFU on H100 clusters" (GPT 2B-462B, seq 4096); Narayanan et al. 2021 (SC'21):
+    # 44-52% of A100 peak, communication included. RL updates run 1-4k-token rows in micro-batches of 1-4, smaller
+    # GEMMs than pretraining's: the lower end, 40%, for the compute alone (TP/PP comm, the bubble and the gradient
+    # sync are added separately).
+    "train_mfu": Eff(0.40, "Megatron-LM README: up to 47% MFU on H100; Narayanan et al. 2021: 44-52% on A100; "
+                           "40% at RL's short rows and small micro-batches, communication counted apart"),
+    "forward_mfu": Eff(0.40, "same kernels as training's forward"),
+    "prefill_mfu": Eff(0.40, "prefill GEMMs are training-sized (thousands of tokens per step)"),
+    # Decode GEMMs are skinny (M = running sequences <= max_num_seqs): a bf16 8192^3 matmul reaches 80% of peak on
+    # the lent H200 (FACTS.md), an M=256 one about half of that; only matters when the batch is large enough for the
+    # FLOPs to exceed the weight reads.
+    "decode_gemm_mfu": Eff(0.40, "skinny decode GEMMs (M <= 256-1024): about half the 80% a square bf16 GEMM "
+                                 "reaches (FACTS.md, H200 8192^3 at 790 TFLOP/s)"),
+    # Decode reads every weight and the KV cache of every running sequence once per step: memory-bound. STREAM-like
+    # copies reach ~85-90% of the HBM datasheet bandwidth on A100/H100; paged-attention and GEMV kernels less.
+    "decode_hbm": Eff(0.70, "memory-bound decode: ~85-90% STREAM bandwidth, less for paged KV reads and GEMV"),
+    # Between two CUDA-graph replays vLLM schedules, prepares inputs and samples on the CPU. vLLM's "v0.6.0: 2.7x
+    # throughput improvement" blog (2024-09-05) profiled Llama 3 8B on 1 H100: 29% of the time in scheduling and
+    # input preparation (+33% in the HTTP server, which an offline LLM.generate does not have), at decode steps of
+    # roughly 7-20 ms; v0.6+ and V1 overlap part of it. 2 ms per step is an estimate from those figures, not fitted.
+    "decode_step_overhead_s": Eff(2e-3, "vLLM per-step scheduling + input prep + sampling on the CPU (vLLM v0.6.0 "
+                                        "blog: 29% of an 8B H100 decode in scheduling before overlap); estimate"),
+    # NCCL ring all-gather / reduce-scatter and p2p reach ~80% of NVLink bandwidth at large messages (nccl-tests
+    # busbw on DGX A100/H100).
+    "link": Eff(0.80, "NCCL bus bandwidth at large messages ~80% of NVLink (nccl-tests)"),
+    # Between nodes, the paper's way: each rank's Table 2 receive volume over its share of the node's NIC (200 Gb/s
+    # shared by 8 GPUs on the paper's testbed). The paper's two published 70B transition times (HybridFlow 9.6 s and
+    # the DeepSpeed-Chat scheme 87.8 s, both derived from "-89.1%, 78.2 s") each imply half of that share: ASSUMED the
+    # testbed's cross-node collectives ran at 50% of the quoted line rate (its 200 Gb/s counted over both directions,
+    # or NCCL's ring over one NIC per node). nccl-tests alone would say ~80%: the prior, which leave-one-source-out
+    # uses for the paper's cases. The one entry chosen by looking at a published case.
+    "internode_link": Eff(0.50, "cross-node collectives at 50% of the per-GPU NIC share: both HybridFlow-paper "
+                                "transition times imply it (nccl-tests alone: 0.8)",
+                          informed_by=frozenset({"hybridflow-paper"}), prior=0.80),
     # One small all-reduce on NVLink: ~10-20 us (nccl-tests latency at 8 GPUs); decode does 2 per layer.
-    "tp_allreduce_latency_s": (15e-6, "small-message NCCL all-reduce latency on NVLink (nccl-tests)"),
+    "tp_allreduce_latency_s": Eff(15e-6, "small-message NCCL all-reduce latency on NVLink (nccl-tests)"),
 }
+
+# The leave-one-source-out check swaps entries here (efficiency_overrides); eff() reads through it.
+_OVERRIDES: dict[str, float] = {}
 
 
 def eff(name: str) -> float:
-    return EFFICIENCY[name][0]
+    return _OVERRIDES.get(name, EFFICIENCY[name].value)
+
+
+class efficiency_overrides:  # noqa: N801 - used as a context manager, like a function
+    """`with efficiency_overrides({"train_mfu": 0.3}): ...` plans with those values instead of the table's."""
+
+    def __init__(self, values: dict[str, float]):
+        self.values = values
+
+    def __enter__(self):
+        self.saved = dict(_OVERRIDES)
+        _OVERRIDES.update(self.values)
+
+    def __exit__(self, *exc):
+        _OVERRIDES.clear()
+        _OVERRIDES.update(self.saved)
+
+
+def without_source(source: str) -> dict[str, float]:
+    """The table as it would be justified without looking at `source`: every entry it informed at its prior."""
+    return {k: e.prior for k, e in EFFICIENCY.items() if source in e.informed_by and e.prior is not None}
+
+
+# vLLM captures CUDA graphs for these decode batch sizes (its default capture list: 1, 2, 4, then every multiple of
+# 8); a batch runs padded to the next captured size.
+def cuda_graph_batch(batch: int) -> int:
+    if batch <= 2:
+        return max(1, batch)
+    if batch <= 4:
+        return 4
+    return -(-batch // 8) * 8
 
 
 @dataclass(frozen=True)
@@ -56,6 +123,7 @@ class StageTime:
     name: str
     seconds: float
     detail: str
+    parts: tuple[tuple[str, float], ...] = ()  # the terms that add up to `seconds` (what a layout choice turns on)
 
 
 def matmul_params(role_or_shape, scalar_head: bool = False) -> float:
@@ -64,29 +132,31 @@ def matmul_params(role_or_shape, scalar_head: bool = False) -> float:
     return M.total_params(shape, scalar_head) - shape.vocab_size * shape.hidden_size
 
 
-def attention_flops_fwd(shape, seq: int) -> float:
+def attention_flops_fwd(shape, seq: float) -> float:
     """QK^T and PV of one causal sequence, forward: 2 matmuls * 2 FLOP * (s^2 / 2) * q_width per layer."""
     return 2 * seq * seq * shape.q_width * shape.num_layers
 
 
-def forward_flops(role: Role, seq: int, sequences: int) -> float:
+def forward_flops(role: Role, seq: float, sequences: int) -> float:
     return sequences * (2 * matmul_params(role.shape, role.scalar_head) * seq + attention_flops_fwd(role.shape, seq))
 
 
 def link_bytes_s(job: Job, group_span: int) -> float:
     """A group whose ranks span `group_span` consecutive ranks talks over NVLink inside a node, else over the NICs."""
     dev = job.device
-    return (dev.nvlink_bytes_s if group_span <= job.gpus_per_node else dev.internode_bytes_s) * eff("link")
+    if group_span <= job.gpus_per_node:
+        return dev.nvlink_bytes_s * eff("link")
+    return dev.internode_bytes_s * eff("internode_link")
 
 
-def model_parallel_comm_s(job: Job, role: Role, collectives_per_layer: int) -> float:
+def model_parallel_comm_s(job: Job, role: Role, collectives_per_layer: int, seq: float) -> float:
     """Megatron's TP collectives (with or without SP: 2 all-reduces = 4 all-gather/reduce-scatter per layer forward,
     the same again backward), each moving (t-1)/t of the micro-batch activation [s, b, h] per GPU, over this GPU's
     share of the batch and layers; plus the PP send/recv of the activation (and its gradient when training) at each
     stage boundary. Not overlapped (our DDP runs without overlap; megatron_workers/optimizer.py)."""
     d, shape, e = role.dims, role.shape, elem_bytes(job)
     seqs = job.sequences / (d.dp * d.cp)
-    act = job.seq_len * shape.hidden_size * e  # one sequence's [s, h] activation
+    act = seq * shape.hidden_size * e  # one sequence's [s, h] activation
     tp_bytes = seqs * shape.num_layers / d.pp * collectives_per_layer * (d.tp - 1) / d.tp * act if d.tp > 1 else 0.0
     directions = 2 if collectives_per_layer > 4 else 1
     pp_bytes = directions * seqs * act / (d.tp if d.sp else 1) if d.pp > 1 else 0.0
@@ -100,12 +170,17 @@ def _bubble(pp: int, micro_batches: int, vpp: int = 1) -> float:
 def forward_pass(job: Job, role: Role, name: str) -> StageTime:
     d = role.dims
     gpus = job.world
-    m = max(1, job.sequences // d.dp // max(1, role.fwd_micro_batch))
-    flops = forward_flops(role, job.seq_len, job.sequences)
-    comm = model_parallel_comm_s(job, role, 4)
-    sec = (flops / (gpus * job.device.peak_flops * eff("forward_mfu")) + comm) * _bubble(d.pp, m)
-    return StageTime(name, sec, f"{flops:.3g} FLOP on {gpus} GPUs at {eff('forward_mfu'):.0%} MFU, TP/PP comm "
-                                f"{comm:.1f} s, bubble p={d.pp} m={m}")
+    micro = max(1, role.fwd_micro_batch)
+    m = max(1, job.sequences // d.dp // micro)
+    seq = job.compute_seq_len(micro)
+    flops = forward_flops(role, seq, job.sequences)
+    comm = model_parallel_comm_s(job, role, 4, seq)
+    compute = flops / (gpus * job.device.peak_flops * eff("forward_mfu"))
+    bubble = _bubble(d.pp, m)
+    sec = (compute + comm) * bubble
+    return StageTime(name, sec, f"{flops:.3g} FLOP on {gpus} GPUs at {eff('forward_mfu'):.0%} MFU ({seq:.0f} "
+                                f"tokens/row), TP/PP comm {comm:.1f} s, bubble p={d.pp} m={m}",
+                     (("compute", compute), ("TP/PP comm", comm), ("pipeline bubble", sec - compute - comm)))
 
 
 def dp_link_bytes_s(job: Job, role: Role) -> float:
@@ -116,31 +191,36 @@ def dp_link_bytes_s(job: Job, role: Role) -> float:
 
 def update(job: Job, role: Role, name: str) -> StageTime:
     d, opts = role.dims, job.options
-    seq, seqs = job.seq_len, job.sequences
+    seq, seqs = job.compute_seq_len(max(1, role.micro_batch)), job.sequences
     extra_fwd = {"none": 0.0, "selective": 0.0, "full": 1.0}[opts.recompute]
     dense = 2 * matmul_params(role.shape, role.scalar_head) * seq * seqs
     attn = attention_flops_fwd(role.shape, seq) * seqs
     attn_passes = 3 + extra_fwd + (1 if opts.recompute == "selective" else 0)
     flops = role.epochs * (dense * (3 + extra_fwd) + attn * attn_passes)
     m = train_micro_batches(job, role)
-    mp_comm = role.epochs * model_parallel_comm_s(job, role, 8 + (4 if opts.recompute == "full" else 0))
-    compute = (flops / (job.world * job.device.peak_flops * eff("train_mfu")) + mp_comm) * _bubble(d.pp, m, opts.vpp)
+    mp_comm = role.epochs * model_parallel_comm_s(job, role, 8 + (4 if opts.recompute == "full" else 0), seq)
+    math_s = flops / (job.world * job.device.peak_flops * eff("train_mfu"))
+    compute = (math_s + mp_comm) * _bubble(d.pp, m, opts.vpp)
     steps = role.epochs * (job.prompts // role.mini_batch)
     n_rank = M.stage_params(role.shape, d.tp, d.pp, 0, role.scalar_head)
     dpc = d.dp * d.cp
     b = M.BYTES_PER_PARAM[job.dtype]
     sync_bytes = (dpc - 1) / dpc * n_rank * (b["grad"] + b["param"]) if dpc > 1 else 0.0  # reduce-scatter + gather
     comm = steps * sync_bytes / dp_link_bytes_s(job, role)
-    return StageTime(name, compute + comm, f"{flops:.3g} FLOP at {eff('train_mfu'):.0%} MFU, TP/PP comm "
-                                           f"{mp_comm:.1f} s, bubble p={d.pp} m={m} v={opts.vpp}; {steps} optimizer "
-                                           f"steps, grad sync {comm:.2f} s")
+    if opts.overlap_grad_reduce:  # hidden behind the backward (2/3 of the math without recompute), what is left shows
+        comm = max(0.0, comm - math_s * 2 / (3 + extra_fwd))
+    return StageTime(name, compute + comm, f"{flops:.3g} FLOP at {eff('train_mfu'):.0%} MFU ({seq:.0f} tokens/row), "
+                                           f"TP/PP comm {mp_comm:.1f} s, bubble p={d.pp} m={m} v={opts.vpp}; {steps} "
+                                           f"optimizer steps, grad sync {comm:.2f} s",
+                     (("compute", math_s), ("TP/PP comm", mp_comm), ("pipeline bubble", compute - math_s - mp_comm),
+                      ("DP grad sync", comm)))
 
 
 def transition_link_bytes_s(job: Job) -> float:
     """Ranks that exchange layers are in different PP stages (stride t*cp*dp) or in one generation TP group."""
     d = job.roles["actor"].dims
     across = (d.pp > 1 and d.tp * d.cp * d.dp >= job.gpus_per_node) or job.t_g > job.gpus_per_node
-    return (job.device.internode_bytes_s if across else job.device.nvlink_bytes_s) * eff("link")
+    return job.device.internode_bytes_s * eff("internode_link") if across else job.device.nvlink_bytes_s * eff("link")
 
 
 def transition(job: Job) -> StageTime:
@@ -152,34 +232,113 @@ def transition(job: Job) -> StageTime:
                                         f"{transition_link_bytes_s(job) / 1e9:.3g} GB/s")
 
 
+# ---- generation ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeModel:
+    """What one decode step of one vLLM replica costs, per GPU of the replica (t_g GPUs share the work)."""
+
+    peak_flops: float
+    hbm_bytes_s: float
+    matmul_params_rank: float  # matmul parameters on one generation rank (the weights read per step)
+    elem: int
+    kv_bytes_per_token: float  # one token's K and V over all layers, on one rank
+    layers: int
+    hidden: int
+    t_g: int
+    tp_link_bytes_s: float
+
+    def step_s(self, batch: int, kv_tokens: float) -> float:
+        """One decode step at `batch` running sequences whose contexts sum to `kv_tokens`: the linear layers (the
+        larger of their FLOPs at the CUDA-graph batch and their weight reads), then attention reading the KV cache,
+        the TP all-reduces (2 per layer: latency + bytes) and vLLM's per-step CPU work."""
+        hbm = self.hbm_bytes_s * eff("decode_hbm")
+        gemm = max(2 * self.matmul_params_rank * cuda_graph_batch(batch) / (self.peak_flops * eff("decode_gemm_mfu")),
+                   self.matmul_params_rank * self.elem / hbm)
+        attn = kv_tokens * self.kv_bytes_per_token / hbm
+        allreduce = 0.0
+        if self.t_g > 1:
+            per = 2 * (self.t_g - 1) / self.t_g * batch * self.hidden * self.elem / self.tp_link_bytes_s
+            allreduce = 2 * self.layers * (eff("tp_allreduce_latency_s") + per)
+        return eff("decode_step_overhead_s") + gemm + attn + allreduce
+
+
+def continuous_batching(lengths: list[int], slots: int, prompt: float) -> list[tuple[int, int, float]]:
+    """vLLM's continuous batching of one replica's requests, in arrival order, over `slots` concurrent sequences:
+    a request starts when a slot frees and decodes one token per step until its length. Returns segments
+    (batch, steps, kv_tokens per step on average) between finish events: the long tail is the last segments, where
+    few sequences decode and each step still reads all the weights."""
+    if not lengths:
+        return []
+    import heapq
+
+    slots = max(1, slots)
+    running: list[tuple[int, int]] = []  # (finish step, start step)
+    queue = iter(lengths)
+    sum_start, now, out = 0, 0, []
+
+    def admit(step: int) -> bool:
+        nonlocal sum_start
+        length = next(queue, None)
+        if length is None:
+            return False
+        heapq.heappush(running, (step + length, step))
+        sum_start += step
+        return True
+
+    for _ in range(min(slots, len(lengths))):
+        admit(0)
+    while running:
+        end = running[0][0]
+        n = len(running)
+        if end > now:
+            steps = end - now
+            # sum over the segment's steps of sum_i (prompt + s - start_i), s = now .. end-1
+            kv = steps * (n * prompt - sum_start) + n * (now + end - 1) * steps / 2
+            out.append((n, steps, kv / steps))
+            now = end
+        while running and running[0][0] == now:
+            _, start = heapq.heappop(running)
+            sum_start -= start
+            admit(now)
+    return out
+
+
 def generation(job: Job) -> StageTime:
     shape, e, dev, t_g = job.roles["actor"].shape, elem_bytes(job), job.device, job.t_g
     replicas = job.world // t_g
     per_replica = math.ceil(job.sequences / replicas)
     kv_tok = M.kv_bytes_per_token(shape, t_g, e)
-    fits_kv = int(job.kv_cache_bytes // (kv_tok * job.seq_len))
-    if fits_kv < 1:
+    prompt = job.prompt_mean
+    if job.kv_cache_bytes < kv_tok * job.seq_len:
         raise ValueError(f"actor_rollout_ref.rollout.kv_cache_memory_bytes={job.kv_cache_bytes} holds no sequence of "
                          f"{job.seq_len} tokens ({kv_tok * job.seq_len / M.GiB:.2f} GiB each at t_g={t_g})")
-    conc = min(per_replica, job.options.max_num_seqs, fits_kv)
-    waves = math.ceil(per_replica / conc)
-    n_mm = matmul_params(shape)
-    weights = M.total_params(shape) * e / t_g
-    prefill = conc * (2 * n_mm * job.prompt_len + attention_flops_fwd(shape, job.prompt_len)) / t_g
+    # vLLM admits requests while their KV blocks fit: steady state ~ capacity / (prompt + mean response) sequences
+    fits_kv = int(job.kv_cache_bytes // (kv_tok * (prompt + job.lengths.sample_mean())))
+    slots = max(1, min(per_replica, job.options.max_num_seqs, fits_kv))
+    model = DecodeModel(dev.peak_flops, dev.hbm_bytes_s, matmul_params(shape) / t_g, e, kv_tok, shape.num_layers,
+                        shape.hidden_size, t_g, link_bytes_s(job, t_g))
+    # The batch's lengths, dealt to the replicas in arrival order; generation ends with the slowest replica (the one
+    # holding the batch's longest responses), which every other replica then waits for.
+    every = job.lengths.sample(job.sequences)
+    decode_s, segments = -1.0, []
+    for r in range(min(replicas, job.sequences)):
+        segs = continuous_batching(every[r::replicas], slots, prompt)
+        sec = sum(steps * model.step_s(batch, kv) for batch, steps, kv in segs)
+        if sec > decode_s:
+            decode_s, segments = sec, segs
+    total_steps = sum(steps for _, steps, _ in segments)
+    tail_steps = sum(steps for batch, steps, _ in segments if batch < slots / 4)
+    prefill = per_replica * (2 * matmul_params(shape) * prompt + attention_flops_fwd(shape, prompt)) / t_g
     prefill_s = prefill / (dev.peak_flops * eff("prefill_mfu"))
-    ctx = job.prompt_len + job.response_len / 2  # mean context over the decode
-    step_flops = conc * (2 * n_mm + 4 * ctx * shape.q_width * shape.num_layers) / t_g
-    step_bytes = weights + conc * ctx * kv_tok
-    step_s = max(step_flops / (dev.peak_flops * eff("prefill_mfu")), step_bytes / (dev.hbm_bytes_s * eff("decode_hbm")))
-    if t_g > 1:  # vLLM's 2 all-reduces per layer (attention out, MLP out) of [tokens, h]: latency + bandwidth
-        allreduce = 2 * (t_g - 1) / t_g * shape.hidden_size * e / link_bytes_s(job, t_g)
-        step_s += 2 * shape.num_layers * (eff("tp_allreduce_latency_s") + conc * allreduce)
-        prefill_s += 2 * shape.num_layers * conc * job.prompt_len * allreduce
-    sec = waves * (prefill_s + job.response_len * step_s)
-    bound = "memory" if step_bytes / dev.hbm_bytes_s > step_flops / dev.peak_flops else "compute"
-    return StageTime("generate", sec, f"{replicas} replicas x {per_replica} seqs, {conc} concurrent "
-                                      f"({waves} wave{'s' if waves > 1 else ''}), decode step {step_s * 1e3:.1f} ms "
-                                      f"({bound}-bound)")
+    if t_g > 1:
+        per_token = 2 * (t_g - 1) / t_g * shape.hidden_size * e / link_bytes_s(job, t_g)
+        prefill_s += 2 * shape.num_layers * per_replica * prompt * per_token
+    sec = prefill_s + decode_s
+    return StageTime("generate", sec, f"{replicas} replicas x {per_replica} seqs, {slots} slots; slowest replica "
+                                      f"{total_steps} decode steps ({tail_steps} in the tail below {slots // 4} "
+                                      f"running), "
+                                      f"{decode_s / max(1, total_steps) * 1e3:.1f} ms/step mean, prefill "
+                                      f"{prefill_s:.1f} s", (("prefill", prefill_s), ("decode", decode_s)))
 
 
 def offload_traffic(job: Job) -> StageTime:

@@ -1,0 +1,388 @@
+"""The planner against published figures: the HybridFlow paper (arXiv 2409.19256), verl's published throughput,
+NeMo-RL's performance summary, and any measurement under docs/measured/*.json.
+
+Each case records its source, the setting it assumes (from the publication where it says it, ASSUMED where it does
+not) and what the figure counts. Nothing here is tuned per case: the planner's constants live in memory.py,
+step_time.py (EFFICIENCY) and devices.py and are the same for every case. EFFICIENCY says which entries were chosen
+by looking at a source; `leave_one_source_out` replays each source's cases with those entries at their prior.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+from launch.plan import Options, Plan, plan_config
+from launch.plan.job import PlanInputError
+
+REPO = Path(__file__).resolve().parents[2]
+MEASURED_DIR = REPO / "docs" / "measured"
+
+SOURCES = {
+    "hybridflow-paper": "HybridFlow paper, arXiv 2409.19256 (§8; FACTS.md)",
+    "verl": "verl published perf/throughput, v0.6.0, 8 H100 (FACTS.md)",
+    "nemo-rl": "NeMo-RL docs/about/performance-summary.md, H100 BF16 tables of v0.4 and v0.5 (github NVIDIA-NeMo/RL)",
+    "measured": "docs/measured/*.json: our own runs",
+}
+
+PUBLISHED = {
+    # §8: "transition time drops by 89.1% (78.2 s) at 70B"
+    "transition_reduction_70b": (0.891, "HybridFlow paper: transition time -89.1% at 70B"),
+    "transition_saved_s_70b": (78.2, "HybridFlow paper: 78.2 s saved at 70B"),
+    # Fig. 14: training (t, p) and generation t_g that HybridFlow's mapping chose on 128 A100s
+    "fig14": ({"Llama-2-7b-hf": (8, 1, 2), "Llama-2-13b-hf": (8, 1, 4), "CodeLlama-34b-hf": (8, 4, 8),
+               "Llama-2-70b-hf": (8, 8, 8)}, "HybridFlow paper Fig. 14"),
+    # verl: perf/throughput = real tokens (prompt + response, attention mask) / (step time * n_gpus), 8 H100
+    "verl_ppo_qwen2_7b": (1109.0, "verl v0.6.0 published: PPO Qwen2-7B (rollout TP2), 8 H100"),
+    "verl_grpo_qwen2_7b": (2467.0, "verl v0.6.0 published: GRPO Qwen2-7B, 8 H100"),
+}
+
+# Our recipes (configs/recipes/) that reproduce a published setting, and the PUBLISHED key of its figure
+# (verl's perf/throughput, tokens/GPU/s); launch.benchmark shows the figure beside a run of the recipe.
+RECIPE_PUBLISHED = {"qwen2_7b_ppo_1node.yaml": "verl_ppo_qwen2_7b", "qwen2_7b_grpo_1node.yaml": "verl_grpo_qwen2_7b"}
+
+# ---- the settings the cases assume ------------------------------------------------------------------------------
+# GSM8K as verl's examples run it: prompt mean 105 tokens (verl docs/start/quickstart.rst log: prompt_length/mean
+# 104.9 and 102.4). Responses: ASSUMED mean 250, p99 600 (GSM8K chain-of-thought answers of 7B instruct models run a
+# few hundred tokens; the quickstart's 0.5B model averages 239 against a 256 cap). verl's example scripts set
+# use_remove_padding (packed: real tokens only), enable_gradient_checkpointing (full recompute), and vLLM
+# max_num_seqs 1024 (v0.6.0 rollout.yaml).
+VERL_OPTIONS = Options(gpu="h100", recompute="full", packing="packed", max_num_seqs=1024, prompt_length_mean=105,
+                       response_length_mean=250, response_length_p99=600)
+TARGET = 0.25  # issue #27: max |relative error| over the numeric cases
+# Why a source's cases can stay beyond TARGET (printed with the case when they do).
+BEYOND_TARGET = {
+    "verl": "the figure comes without its setting (which example script: GSM8K alone or with MATH; the response "
+            "lengths; verl's scripts train with FSDP, not Megatron) and no length closes the gap: at 50-400-token "
+            "responses the plan stays at 1,450-1,760 (PPO) and 3,280-3,390 (GRPO) tokens/GPU/s, so the published "
+            "step ran 1.4-1.5x slower than the planner's Megatron estimate. Nothing in EFFICIENCY was set by looking "
+            "at verl: tuning train_mfu to 0.30 would bring both inside 25%, with no source for 0.30",
+    "nemo-rl": "not counted: NeMo-RL's refit, Ray dispatch and per-stage set-up; every row is predicted short",
+    "hybridflow-paper": "the paper's testbed inter-node efficiency is read from its own transition figures",
+}
+VERL_ASSUMED = ("prompt mean 105 (verl quickstart log); ASSUMED responses mean 250, p99 600; packed (remove_padding), "
+                "full recompute (gradient checkpointing), max_num_seqs 1024; verl ran FSDP, we plan Megatron")
+
+# NeMo-RL's performance recipes (examples/configs/recipes/llm/performance/grpo-*.yaml at r0.4/r0.5, over
+# grpo_math_1B.yaml): 64 prompts x 32 generations, T-GBS 512 (4 optimizer steps), max total length 4096, vLLM
+# gpu_memory_utilization 0.6, colocated, sequence packing on, KL to the reference (so a ref pass) and prev-log-probs.
+# vLLM's max_num_seqs is its default: 1024 on an H100 (EngineArgs batch defaults for >= 70 GiB GPUs).
+# "G-Average Seq len" is the mean generated length: the rows' own tokens/s/GPU x step x GPUs / 2048 samples exceed
+# it by 104-132 tokens, the prompt. ASSUMED: prompt mean 120 (OpenMathInstruct-2 problem + template), budget 512
+# prompt + 3584 response, p99 at the budget (long-tailed math answers), optimizer state offloaded around
+# generation.
+NEMO_OPTIONS = dict(gpu="h100", packing="packed", max_num_seqs=1024, prompt_length_mean=120)
+
+
+def nemo_overrides(model: str, nodes: int, t: int, p: int, t_g: int, logprob_micro: int) -> list[str]:
+    a = "actor_rollout_ref"
+    m = [f"tensor_model_parallel_size={t}", f"pipeline_model_parallel_size={p}", f"sequence_parallel={t > 1}"]
+    out = ["data.train_batch_size=64", "data.max_prompt_length=512", "data.max_response_length=3584",
+           f"{a}.model.path=models/{model}", f"{a}.model.dtype=bfloat16", f"{a}.rollout.n=32",
+           f"{a}.rollout.tensor_model_parallel_size={t_g}", f"{a}.rollout.response_length=3584",
+           f"{a}.rollout.kv_cache_memory_bytes=null", f"{a}.rollout.gpu_memory_utilization=0.6",
+           f"{a}.rollout.log_prob_micro_batch_size_per_gpu={logprob_micro}",
+           f"{a}.ref.log_prob_micro_batch_size_per_gpu={logprob_micro}",
+           f"{a}.actor.ppo_mini_batch_size=16", f"{a}.actor.ppo_micro_batch_size_per_gpu=1",
+           f"{a}.actor.use_kl_loss=true", "algorithm.adv_estimator=grpo",
+           f"trainer.nnodes={nodes}", "trainer.n_gpus_per_node=8",
+           f"{a}.actor.megatron.optimizer_offload=true", f"{a}.actor.megatron.grad_offload=true"]
+    for prefix in (f"{a}.actor.megatron", f"{a}.ref.megatron"):
+        out += [f"{prefix}.{k}" for k in m]
+    return out
+
+
+# (case, model, nodes, t, p, t_g, logprob micro, activation checkpointing, mean response, published step s, row)
+NEMO_ROWS = [
+    ("Llama-3.1-8B GRPO on-policy, 16 H100 (v0.5)", "Llama-3.1-8B-Instruct", 2, 1, 2, 1, 2, True, 1019, 92.8,
+     "v0.5 H100 BF16 row: avg gen 1,019, 1,581 tokens/s/GPU, 92.8 s"),
+    ("Qwen3-32B GRPO on-policy, 32 H100 (v0.5)", "Qwen3-32B", 4, 4, 4, 4, 4, False, 3251, 376.0,
+     "v0.5 H100 BF16 row: avg gen 3,251, 571 tokens/s/GPU, 376 s"),
+    ("Llama-3.1-8B GRPO on-policy, 16 H100 (v0.4)", "Llama-3.1-8B-Instruct", 2, 1, 2, 1, 2, True, 1060, 97.7,
+     "v0.4 row: avg gen 1,060, 1,562 tokens/s/GPU, 97.7 s"),
+    ("Qwen3-32B GRPO on-policy, 32 H100 (v0.4)", "Qwen3-32B", 4, 4, 4, 4, 4, False, 3206, 393.0,
+     "v0.4 row: avg gen 3,206, 540 tokens/s/GPU, 393 s"),
+]
+
+# The paper's testbed (§8.1): 16 machines x 8 A100-80GB, NVLink inside a machine, 200 Gb/s between machines.
+PAPER_GPU, PAPER_INTERNODE_GBPS = "a100", 200.0
+# §8.1 workload: prompt and response 1024 tokens, 1024 prompts per step, actor/critic/ref/reward all the same size.
+# ASSUMED (the paper does not say): PPO mini-batch 256 prompts, micro-batch 2 (train) / 4 (log-prob), sequence
+# parallel on, idle roles offloaded, 20 GiB KV cache per GPU, one PPO epoch, KL in the reward.
+ASSUMED_PAPER = "ASSUMED: mini-batch 256, micro 2/4, SP on, idle roles offloaded, KV 20 GiB, 1 epoch"
+PAPER_OPTIONS = Options(gpu=PAPER_GPU, internode_gbps_per_node=PAPER_INTERNODE_GBPS)
+
+
+def paper_overrides(model: str, t: int, p: int, t_g: int) -> list[str]:
+    m = [f"tensor_model_parallel_size={t}", f"pipeline_model_parallel_size={p}", f"sequence_parallel={t > 1}"]
+    off = ["param_offload=true", "grad_offload=true", "optimizer_offload=true"]
+    out = ["data.train_batch_size=1024", "data.max_prompt_length=1024", "data.max_response_length=1024",
+           f"actor_rollout_ref.model.path=models/{model}", "actor_rollout_ref.model.dtype=bfloat16",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=256", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+           f"actor_rollout_ref.rollout.tensor_model_parallel_size={t_g}",
+           "actor_rollout_ref.rollout.response_length=1024",
+           f"actor_rollout_ref.rollout.kv_cache_memory_bytes={20 * 1024**3}",
+           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+           f"critic.model.path=models/{model}", "critic.ppo_mini_batch_size=256",
+           "critic.ppo_micro_batch_size_per_gpu=2",
+           "reward_model.enable=true", f"reward_model.model.path=models/{model}",
+           "reward_model.micro_batch_size_per_gpu=4", "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+           "trainer.nnodes=16", "trainer.n_gpus_per_node=8"]
+    for prefix in ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron",
+                   "reward_model.megatron"):
+        out += [f"{prefix}.{k}" for k in m + off]
+    return out
+
+
+def plan_overrides(overrides: list[str], options: Options) -> Plan:
+    from hybridflow.config.load import load_config
+
+    return plan_config(load_config(None, overrides), options)
+
+
+def case(source: str, name: str, predicted: float, published: float, counts: str, setting: str,
+         kind: str = "value") -> dict:
+    err = (predicted - published) / published
+    out = {"source": source, "case": name, "kind": kind, "predicted": predicted, "published": published,
+           "rel_error": err, "counts": counts, "setting": setting}
+    if abs(err) > TARGET:
+        out["why_beyond_target"] = BEYOND_TARGET.get(source, "")
+    return out
+
+
+# ---- the cases, one function per source --------------------------------------------------------------------------
+def paper_cases() -> list[dict]:
+    """The paper gives the 70B reduction and the seconds saved, so HybridFlow's own time is 78.2 * (1-.891)/.891
+    and the baseline's 78.2/.891. We compare HybridFlow's derived time, and the reduction against DeepSpeed-Chat's
+    scheme (ZeRO-style all-gather of the whole model over all t*p*d ranks): which baseline the 89.1% is against is
+    not stated per model, so that row is our assumption."""
+    from hybridflow.resharding.planner import deepspeed_chat_recv_bytes
+    from launch.plan import memory as M
+    from launch.plan.step_time import eff
+
+    reduction, _ = PUBLISHED["transition_reduction_70b"]
+    saved, _ = PUBLISHED["transition_saved_s_70b"]
+    plan = plan_overrides(paper_overrides("Llama-2-70b-hf", 8, 8, 8), PAPER_OPTIONS)
+    ours = next(s.seconds for s in plan.stages if s.name == "transition")
+    d = plan.job.roles["actor"].dims
+    model_bytes = M.total_params(plan.job.roles["actor"].shape) * 2
+    ds = deepspeed_chat_recv_bytes(model_bytes, d.tp, d.pp, d.dp) / (plan.job.device.internode_bytes_s
+                                                                      * eff("internode_link"))
+    published_hf = saved * (1 - reduction) / reduction
+    setting = ("70B (8,8)->t_g=8 on 16x8 A100, 200 Gb/s per node; each rank's Table 2 volume over its 1/8 share of "
+               "the NIC at EFFICIENCY internode_link = 0.5 (read from these figures: ASSUMED)")
+    src = "hybridflow-paper"
+    return [
+        case(src, "transition 70B, HybridFlow (s)", ours, published_hf, "seconds of the train->generate transition",
+             f"{setting}; published = 78.2 s x (1-0.891)/0.891, derived from the two published figures"),
+        case(src, "transition 70B, reduction vs DeepSpeed-Chat scheme", 1 - ours / ds, reduction, "fraction saved",
+             f"{setting}; baseline = all-gather of M over t*p*d ranks (ASSUMED to be the paper's baseline)"),
+        case(src, "transition 70B, seconds saved vs DeepSpeed-Chat scheme", ds - ours, saved, "seconds saved",
+             setting),
+    ]
+
+
+def verl_cases() -> list[dict]:
+    """verl's published tokens/GPU/s, planned with our recipes of the same setting (configs/recipes/qwen2_7b_*):
+    lengths from verl's example scripts (PPO: examples/ppo_trainer/run_qwen2-7b.sh, prompt 1024 / response 512;
+    GRPO: examples/grpo_trainer/run_qwen2-7b_seq_balance.sh, prompt 512 / response 1024, n=5). verl counts the
+    real prompt + response tokens of the step (perf/total_num_tokens), as the planner does with a length mean."""
+    from launch.plan import make_plan
+
+    out = []
+    for recipe, key in RECIPE_PUBLISHED.items():
+        published, source = PUBLISHED[key]
+        plan = make_plan(REPO / "configs" / "recipes" / recipe, [], VERL_OPTIONS)
+        out.append(case("verl", f"{source} (tokens/GPU/s)", plan.tokens_per_gpu_s, published,
+                        "real prompt+response tokens / (step s x GPUs)", f"configs/recipes/{recipe}; {VERL_ASSUMED}"))
+    return out
+
+
+def nemo_cases() -> list[dict]:
+    out = []
+    for name, model, nodes, t, p, t_g, lp_micro, ckpt, mean, step, row in NEMO_ROWS:
+        opts = Options(**NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
+        plan = plan_overrides(nemo_overrides(model, nodes, t, p, t_g, lp_micro), opts)
+        out.append(case("nemo-rl", f"NeMo-RL {name} (step s)", plan.step_s, step, "seconds per step",
+                        f"{row}; gen TP{t_g}, train TP{t} PP{p}, {'activation checkpointing, ' if ckpt else ''}"
+                        f"response mean {mean} (published), ASSUMED prompt 120 and p99 at the budget"))
+    return out
+
+
+def measured_cases() -> list[dict]:
+    """docs/measured/*.json: {"case", "config" (a path under the repo), "overrides": [...], "options": {Options
+    fields}, "metric": "step_s" | "tokens_per_gpu_s", "value", "source"}. None yet: this returns []."""
+    from hybridflow.config.load import load_config
+
+    out = []
+    for path in sorted(MEASURED_DIR.glob("*.json")) if MEASURED_DIR.is_dir() else []:
+        m = json.loads(path.read_text())
+        plan = plan_config(load_config(REPO / m["config"], m.get("overrides", [])), Options(**m.get("options", {})))
+        predicted = plan.step_s if m["metric"] == "step_s" else plan.tokens_per_gpu_s
+        out.append(case("measured", m["case"], predicted, float(m["value"]), m["metric"],
+                        f"docs/measured/{path.name}: {m.get('source', '')}", kind="measured"))
+    return out
+
+
+CASE_BUILDERS = {"hybridflow-paper": paper_cases, "verl": verl_cases, "nemo-rl": nemo_cases,
+                 "measured": measured_cases}
+
+
+# ---- layouts (Fig. 14) ---------------------------------------------------------------------------------------------
+def with_layout(cfg, t: int, p: int, t_g: int):
+    """A copy of a paper config with every role at training layout (t, p) and rollout TP t_g."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    for m in (cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.ref.megatron, cfg.critic.megatron,
+              cfg.reward_model.megatron):
+        m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.sequence_parallel = t, p, t > 1
+    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = t_g
+    return cfg
+
+
+def candidate_layouts(model: str, options: Options = PAPER_OPTIONS):
+    from hybridflow.config.load import load_config
+
+    base = load_config(None, paper_overrides(model, 1, 1, 1))  # loaded once: the loader is the slow part
+    for t, p, t_g in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8)):
+        try:
+            plan = plan_config(with_layout(base, t, p, t_g), options)
+        except PlanInputError:
+            continue  # the layout does not divide this model (heads, KV groups, layers, GPUs)
+        yield (t, p, t_g), plan
+
+
+def deciding_terms(paper: Plan, choice: Plan) -> str:
+    """Which terms (stage: part) make the planner's choice faster than the paper's layout, largest first."""
+    def terms(plan: Plan) -> dict[str, float]:
+        out = {}
+        for s in plan.stages:
+            for part, sec in (s.parts or (("", s.seconds),)):
+                out[f"{s.name}{': ' + part if part else ''}"] = sec
+        return out
+
+    a, b = terms(paper), terms(choice)
+    diffs = sorted(((a.get(k, 0.0) - b.get(k, 0.0), k) for k in {*a, *b}), reverse=True)
+    gains = [f"{k} {d:+.1f} s" for d, k in diffs if d > 0.05][:3]
+    losses = [f"{k} {d:+.1f} s" for d, k in diffs if d < -0.05][-2:]
+    return "paper layout slower in " + (", ".join(gains) or "nothing") + \
+        ("; faster in " + ", ".join(losses) if losses else "")
+
+
+def fastest_fitting(plans: dict):
+    fitting = {k: v for k, v in plans.items() if v.memory.fits}
+    return (min(fitting, key=lambda k: fitting[k].step_s) if fitting else None), fitting
+
+
+def layout_cases() -> list[dict]:
+    """Fig. 14's layouts: the planner's step time for the paper's layout and for its own fastest layout that fits
+    (same roles, batch and assumptions), and the terms that decide between them. Also the choice when the DP
+    gradient sync overlaps the backward (Megatron's overlap_grad_reduce, which our DDP does not use): the what-if
+    that tests whether that term is what separates the planner from the paper. A comparison of choices."""
+    layouts, _ = PUBLISHED["fig14"]
+    overlap = dataclasses.replace(PAPER_OPTIONS, overlap_grad_reduce=True)
+    out = []
+    for model, paper_layout in layouts.items():
+        plans = dict(candidate_layouts(model))
+        best, fitting = fastest_fitting(plans)
+        plans_overlap = dict(candidate_layouts(model, overlap))
+        best_overlap, fitting_overlap = fastest_fitting(plans_overlap)
+        paper_overlap = plans_overlap.get(paper_layout)
+        why_overlap = (deciding_terms(paper_overlap, fitting_overlap[best_overlap])
+                       if paper_overlap and best_overlap and best_overlap != paper_layout else "")
+        paper_plan = plans.get(paper_layout)
+        why = deciding_terms(paper_plan, fitting[best]) if paper_plan and best and best != paper_layout else ""
+        out.append({"source": "hybridflow-paper", "case": f"Fig. 14 layout {model}", "kind": "layout",
+                    # a choice, not a number: predicted/published are (t, p, t_g), and there is no relative error
+                    "predicted": list(best) if best else None, "published": list(paper_layout), "rel_error": None,
+                    "paper": list(paper_layout), "paper_layout_fits": bool(paper_plan and paper_plan.memory.fits),
+                    "paper_layout_peak_gib": paper_plan.memory.peak.total / 1024**3 if paper_plan else None,
+                    "paper_layout_step_s": paper_plan.step_s if paper_plan else None,
+                    "planner_choice": list(best) if best else None,
+                    "planner_choice_step_s": fitting[best].step_s if best else None,
+                    "match": best == paper_layout, "why": why, "setting": ASSUMED_PAPER,
+                    "planner_choice_overlapped_grad_sync": list(best_overlap) if best_overlap else None,
+                    "why_overlapped": why_overlap})
+    return out
+
+
+# ---- the whole comparison --------------------------------------------------------------------------------------------
+def numeric(cases: list[dict]) -> list[dict]:
+    return [c for c in cases if c["kind"] in ("value", "measured")]
+
+
+def leave_one_source_out(sources=None) -> dict[str, float | None]:
+    """For each source: its cases' max |relative error| when every EFFICIENCY entry chosen by looking at that source
+    is at its prior (step_time.without_source). A source no entry looked at gets its plain max error."""
+    from launch.plan.step_time import efficiency_overrides, without_source
+
+    out: dict[str, float | None] = {}
+    for src in sources or CASE_BUILDERS:
+        with efficiency_overrides(without_source(src)):
+            errs = [abs(c["rel_error"]) for c in numeric(CASE_BUILDERS[src]())]
+        out[src] = max(errs) if errs else None
+    return out
+
+
+def against_published() -> dict:
+    cases = [c for build in CASE_BUILDERS.values() for c in build()]
+    errors = [abs(c["rel_error"]) for c in numeric(cases)]
+    sources = sorted({c["source"] for c in numeric(cases)})
+    return {"cases": [*cases, *layout_cases()], "max_rel_error": max(errors),
+            "leave_one_source_out": leave_one_source_out(sources)}
+
+
+def render_cases(result: dict) -> str:
+    from launch.plan.report import table
+
+    rows, notes, layouts = [], [], []
+    for i, c in enumerate(c for c in result["cases"] if c["kind"] != "layout"):
+        rows.append([f"[{i + 1}] {c['case']}", c["source"], f"{c['predicted']:.4g}", f"{c['published']:.4g}",
+                     f"{c['rel_error']:+.1%}"])
+        notes.append(f"[{i + 1}] counts {c['counts']}; {c['setting']}"
+                     + (f"\n    beyond {TARGET:.0%}: {c['why_beyond_target']}" if "why_beyond_target" in c else ""))
+    for c in result["cases"]:
+        if c["kind"] == "layout":
+            choice = tuple(c["planner_choice"]) if c["planner_choice"] else "none fits"
+            layouts.append([c["case"], f"{tuple(c['paper'])} {c['paper_layout_step_s']:.1f} s"
+                            + ("" if c["paper_layout_fits"] else " (does not fit)"),
+                            f"{choice} {c['planner_choice_step_s']:.1f} s",
+                            str(tuple(c["planner_choice_overlapped_grad_sync"] or ())),
+                            "match" if c["match"] else c["why"]])
+            if c["why_overlapped"]:
+                layouts.append(["", "", "", "", f"with overlap: {c['why_overlapped']}"])
+    loso = ", ".join(f"{k} {v:.1%}" if v is not None else f"{k} (no cases)"
+                     for k, v in result["leave_one_source_out"].items())
+    return "\n\n".join([
+        table(["case", "source", "predicted", "published", "rel. error"], rows),
+        "\n".join(notes),
+        table(["layout (t, p, t_g)", "paper's, planned", "planner's choice", "with overlapped DP sync",
+               "what decides"], layouts),
+        f"max |relative error| over the numeric cases: {result['max_rel_error']:.1%}\n"
+        f"leave one source out (its cases with the EFFICIENCY entries it informed at their prior): {loso}"])
+
+
+DOC_BEGIN, DOC_END = "<!-- against-published:begin -->", "<!-- against-published:end -->"
+
+
+def render_markdown(result: dict) -> str:
+    """The docs' table (docs/scale.md, between DOC_BEGIN and DOC_END; `--write-headers` rewrites it)."""
+    rows = ["| case | source | predicted | published | error |", "|---|---|---|---|---|"]
+    for c in result["cases"]:
+        if c["kind"] != "layout":
+            rows.append(f"| {c['case']} | {c['source']} | {c['predicted']:.4g} | {c['published']:.4g} | "
+                        f"{c['rel_error']:+.0%} |")
+    rows += ["", "| Fig. 14 model | paper's (t, p, t_g), planned | planner's choice | with overlapped DP sync |",
+             "|---|---|---|---|"]
+    for c in result["cases"]:
+        if c["kind"] == "layout":
+            rows.append(f"| {c['case'].removeprefix('Fig. 14 layout ')} | {tuple(c['paper'])} "
+                        f"{c['paper_layout_step_s']:.0f} s | {tuple(c['planner_choice'])} "
+                        f"{c['planner_choice_step_s']:.0f} s | {tuple(c['planner_choice_overlapped_grad_sync'])} |")
+    loso = ", ".join(f"{k} {v:.0%}" for k, v in result["leave_one_source_out"].items() if v is not None)
+    rows += ["", f"Max |error| {result['max_rel_error']:.0%}; leave one source out: {loso}."]
+    return "\n".join(rows)
