@@ -321,11 +321,12 @@ class _NoWork:
 
 def _patch_gloo_mixed_dtype_coalescing() -> None:
     """param_and_grad_buffer.py start_param_sync: `with _coalescing_manager(group): all_gather_into_tensor(...)` per
-    bucket. With bf16 params the distributed optimizer has a bf16 and an fp32 buffer (our torch norms keep fp32
-    weights), and gloo's coalesced all-gather of mixed dtypes returns interleaved garbage (torch 2.13, measured
-    at 1 and 2 ranks: [0, 1, 2, 3] came back as [0, 0, 0, 1]); same-dtype coalescing is exact. Without it every
-    bf16 parameter was overwritten after the first optimizer step. Synchronous calls (no overlap, which stays off
-    on CPU: optimizer.wrap_ddp) therefore run one by one; async ones keep torch's manager."""
+    bucket. gloo's coalesced all-gather of tensors of mixed dtypes returns interleaved garbage (torch 2.13,
+    measured at 1 and 2 ranks: [0, 1, 2, 3] came back as [0, 0, 0, 1]); same-dtype coalescing is exact. A model
+    with parameters of two dtypes has a buffer of each (ours had, bf16 linears and fp32 torch norms, before
+    model_builder cast the norms), and every parameter was overwritten after the first optimizer step.
+    Synchronous calls (no overlap, which stays off on CPU: optimizer.wrap_ddp) therefore run one by one; async
+    ones keep torch's manager. tests/test_mcore_cpu_compat.py checks it on a real 2-rank gloo group."""
     module = _import_or_none("megatron.core.distributed.param_and_grad_buffer")
     real = getattr(module, "_coalescing_manager", None)
     if real is None or getattr(real, "_hybridflow_cpu_compat", False):

@@ -297,9 +297,23 @@ def build_gpt_model(
         **({"vp_stage": vp_stage} if vp_stage is not None else {}),
     )
     model.hf_vocab_size = facts.vocab_size  # the real vocab, for masking padded logits
+    _torch_norms_in(model, dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _torch_norms_in(model, dtype: torch.dtype) -> None:
+    """The local spec's torch RMSNorm/LayerNorm (megatron's fallback without apex) are built in fp32 whatever
+    params_dtype says; TE's norms and Megatron-LM's Float16Module give bf16 ones. Cast them, so that a bf16 model
+    is bf16 throughout as on GPU: with fp32 weights torch's rms_norm cannot take its fused path on bf16 input
+    ("Mismatch dtype between input and weight"), and the optimizer's fp32 main copy is kept for them anyway.
+    `Module.to` keeps the Parameter objects, so their sequence_parallel tags stay."""
+    if dtype == torch.float32:
+        return
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm | torch.nn.LayerNorm):
+            module.to(dtype)
 
 
 def build_model_chunks(hf_config, dims: ParallelDims, dtype: torch.dtype = torch.float32, megatron_cfg=None,

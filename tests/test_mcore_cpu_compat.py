@@ -41,3 +41,19 @@ def test_cpu_compat_patches():
     # with CUDA present only the (device-independent) SP norm fix is installed
     assert cuda["first"] == ["sp-norm:WrappedTorchNorm"] and cuda["rotary_torch_is_real"]
     assert cuda["sp_norm"] == ["RMSNorm", True, True]
+
+
+def test_mixed_dtype_param_all_gather_is_exact_on_gloo():
+    """megatron's distributed optimizer all-gathers its param buffers inside a coalescing manager; on gloo that
+    returns garbage when the buffers differ in dtype (bf16 weights, fp32 norms). With cpu_compat the buffers come
+    back exact; without it they do not (torch 2.13), which is why the patch exists."""
+    sys.path.insert(0, str(PROBE.parent))
+    from train_common import run_torchrun
+
+    def gather(mode: str) -> dict:
+        return json.loads(run_torchrun("gloo_coalescing.py", 2, [mode], timeout=120).strip().splitlines()[-1])
+
+    assert gather("patched")["exact"] == [True, True]
+    raw = gather("raw")
+    assert raw["exact"] != [True, True], f"gloo's coalesced mixed-dtype all-gather is exact now ({raw}): " \
+        "the cpu_compat patch may be dropped"
