@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m hybridflow.trainer.warmstart --out runs/demo_assets
