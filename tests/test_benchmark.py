@@ -175,6 +175,10 @@ def test_bench_vs_trl_arithmetic_and_ceiling_by_hand(monkeypatch):
     assert out["trl"]["train_gflops_per_s"] == round(train_gflop / 24.0, 1)
     # ours with its 24 s of training replaced by train_gflop at 20 GFLOP/s; gen and the rest (6 s) as measured
     assert out["ratio_if_our_training_ran_at_gemm_rate"] == round(33.0 / (6.0 + round(train_gflop, 1) / 20.0), 3)
+    # generation against the decode-shaped GEMM of 2 one-thread replicas; training against the 2-thread GEMM
+    assert out["decode_gemm_gflops"] == 20.0
+    assert out["hybridflow"]["gen_frac_of_decode_gemm"] == round(out["hybridflow"]["gen_gflops_per_s"] / 20.0, 3)
+    assert out["hybridflow"]["train_frac_of_gemm"] == round(out["hybridflow"]["train_gflops_per_s"] / 20.0, 3)
     # a bf16 row is bounded by the bf16 GEMM rate
     bf16 = B.bound(row, {"hidden": 64, "ffn": 128, "vocab": 100}, "bf16")
     assert bf16["gemm_dtype"] == "bf16" and bf16["gemm_gflops_2_threads"] == 50.0
