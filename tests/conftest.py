@@ -71,3 +71,11 @@ def plain_run(warm_assets, tmp_path_factory):
     _run(_cmd("ppo_tiny_cpu.yaml", root / "run", f"actor_rollout_ref.model.path={warm_assets['model']}",
               f"data.train_files=[{warm_assets['train']}]", *PLAIN_JOB), root / "log")
     return root / "run", root / "log"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: the guard counts everything collected
+def pytest_collection_modifyitems(session, config, items):
+    """The suite-time guard's view of this session's tests (tests/test_suite_budget.py asserts on it)."""
+    from test_suite_budget import AUDIT, audit
+
+    config.stash[AUDIT] = audit(items)

@@ -1,0 +1,53 @@
+"""The suite's time guard: end-to-end tests are counted, must carry the `slow` mark, and stay within a budget.
+
+An end-to-end test is one that starts real processes through the shared fixtures (a Ray cluster, a trainer run, the
+simulated multi-node cluster) or lives in a test_e2e_* module; each costs 10-130 s on 2 cores, where a unit test costs
+well under one. A new one must be marked `slow` (so `-m "not slow"` gives a fast loop) and fit in E2E_BUDGET; raising
+the budget is a deliberate edit here, with the suite's measured time in the commit (docs/index.md, "The tests").
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+# Fixtures behind a whole trainer run or a simulated multi-node cluster (tests/conftest.py, the cluster tests).
+# The shared ray_cluster alone is not one: it starts once a session, and its users take seconds.
+E2E_FIXTURES = {"observed_run", "plain_run", "warm_assets", "cluster"}
+E2E_BUDGET = 28  # 23 on 2026-12-04 (the test prints the count), plus room for 5; raise it deliberately
+
+
+def is_end_to_end(item) -> bool:
+    return bool(E2E_FIXTURES & set(getattr(item, "fixturenames", ()))) or item.module.__name__.startswith("test_e2e_")
+
+
+def audit(items) -> dict:
+    """What the guard checks, over the collected items (tests/conftest.py calls it once per session)."""
+    e2e = [i for i in items if isinstance(i, pytest.Function) and is_end_to_end(i)]
+    return {"collected": len(items), "e2e": [i.nodeid for i in e2e],
+            "unmarked": [i.nodeid for i in e2e if i.get_closest_marker("slow") is None
+                         and i.get_closest_marker("cluster") is None]}
+
+
+def test_end_to_end_tests_are_marked_slow_and_within_budget(request):
+    """Over everything collected in this session (the whole suite under `make test`)."""
+    seen = request.config.stash[AUDIT]
+    print(f"{len(seen['e2e'])} end-to-end tests of {seen['collected']} collected (budget {E2E_BUDGET})")
+    assert not seen["unmarked"], f"end-to-end tests without the slow (or cluster) mark: {seen['unmarked']}"
+    assert len(seen["e2e"]) <= E2E_BUDGET, (
+        f"{len(seen['e2e'])} end-to-end tests, over the budget of {E2E_BUDGET}: share a run (tests/conftest.py's "
+        "observed_run / plain_run) or raise the budget on purpose")
+
+
+def test_the_guard_sees_a_fixture_run_and_an_e2e_module():
+    """is_end_to_end on stand-in items: by fixture, by module name, and not for a plain unit test."""
+    def Item(module, fixtures):  # noqa: N802  (a stand-in for a collected pytest item)
+        return SimpleNamespace(module=SimpleNamespace(__name__=module), fixturenames=fixtures)
+
+    assert is_end_to_end(Item("test_protocol", ["tmp_path", "ray_cluster"]))
+    assert is_end_to_end(Item("test_e2e_trainer", ["tmp_path"]))
+    assert not is_end_to_end(Item("test_protocol", ["tmp_path"]))
+
+
+AUDIT = pytest.StashKey[dict]()
