@@ -1,8 +1,9 @@
 """The suite's time guard: end-to-end tests are counted, must carry the `slow` mark, and stay within a budget.
 
 An end-to-end test is one that uses a whole trainer run or the simulated multi-node cluster through the shared
-fixtures, or lives in a test_e2e_* module; each costs 10-130 s on 2 cores, where a unit test costs well under one. A new one must be marked `slow` (so `-m "not slow"` gives a fast loop) and fit in E2E_BUDGET; raising
-the budget is a deliberate edit here, with the suite's measured time in the commit (docs/index.md, "The tests").
+fixtures, or lives in a test_e2e_* module; each costs 10-130 s on 2 cores, where a unit test costs well under one.
+A new one must be marked `slow` (so `-m "not slow"` gives a fast loop) and fit in E2E_BUDGET; raising the budget is
+a deliberate edit here, with the suite's measured time in the commit (docs/index.md, "The tests").
 """
 
 from __future__ import annotations
