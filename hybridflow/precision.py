@@ -2,8 +2,9 @@
 
 `auto` follows the hardware, the way our GPU users already run: bf16 on CUDA, and bf16 on a CPU whose
 instruction set multiplies bf16 natively (`amx_bf16` or `avx512_bf16` in /proc/cpuinfo); fp32 elsewhere.
-On such a CPU torch's bf16 matmul is 2-8x its fp32 one (measured: AMD EPYC with avx512_bf16 2.1x at
-n=1024, a Xeon with AMX 8.6x; launch/bench_gemm.py), and CI then runs the GPU's precision path: bf16 params,
+On such a CPU torch's bf16 matmul is 2-9x its fp32 one (measured: AMD EPYC with avx512_bf16 2.8x at the 17.8M
+model's MLP shape on 2 threads, launch/bench_vs_trl.py's `bound`; a Xeon with AMX 8.6x at n=1024, FACTS.md), and
+CI then runs the GPU's precision path: bf16 params,
 fp32 main params and Adam state in the distributed optimizer, gradients reduced in fp32, log-probs and
 losses in fp32 from bf16 logits.
 
@@ -101,7 +102,7 @@ def torch_dtype(name: str):
 
 
 def local_device() -> str:
-    """This process's device kind, as the workers choose it (hybridflow.controller.worker.detect_device)."""
+    """This process's device kind ('cuda' or 'cpu'); the workers' too (hybridflow.controller.worker.detect_device)."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

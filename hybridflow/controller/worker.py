@@ -16,9 +16,9 @@ from hybridflow.controller.dispatch import MeshCoords
 
 
 def detect_device() -> str:
-    import torch
+    from hybridflow.precision import local_device  # one source: the device the dtype is resolved for
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return local_device()
 
 
 def dist_backend(device: str) -> str:

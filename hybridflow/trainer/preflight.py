@@ -221,9 +221,7 @@ def _validate_precision(cfg: HybridFlowConfig) -> dict[str, str]:
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"trainer.device={device!r}; choose one of auto, cpu, cuda")
     if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = P.local_device()
     roles = {"actor_rollout_ref.model.dtype": (cfg.actor_rollout_ref.model.dtype, True)}
     if cfg.critic.enable:
         roles["critic.model.dtype"] = (cfg.critic.model.dtype, True)
