@@ -169,3 +169,5 @@ def test_cpu_peak_is_the_actor_gemm_measured_in_its_dtype():
     assert plain / 20 < rate < plain * 20  # the best single timing, not the mean: same order as a plain loop
     flops, source = cpu_peak_flops(cfg, 2, 4, 32, "bfloat16", n_devices_per_node=2)
     assert flops > 0 and source.startswith("measured bfloat16 matmul [128x64] @ [64x176]"), source
+    _, source = cpu_peak_flops(None, 1, 1, 1, "float32", n_devices_per_node=2)  # no model config to read
+    assert source.startswith("measured float32 matmul [1024x1024] @ [1024x1024]"), source

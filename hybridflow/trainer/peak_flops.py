@@ -63,10 +63,15 @@ def measure_gemm_flops(shape: GemmShape, dtype: str, threads: int, min_s: float 
         torch.set_num_threads(before)
 
 
-def cpu_peak_flops(hf_config: dict, tp: int, micro_batch: int, seq_len: int, dtype: str,
+# Where the actor's config cannot be read (a driver built around stand-in workers): a square product.
+FALLBACK_SHAPE = GemmShape(1024, 1024, 1024)
+
+
+def cpu_peak_flops(hf_config: dict | None, tp: int, micro_batch: int, seq_len: int, dtype: str,
                    n_devices_per_node: int) -> tuple[float, str]:
-    """(FLOP/s per device, source): measured now, at the actor's own GEMM shape and dtype."""
-    shape = actor_gemm_shape(hf_config, tp, micro_batch, seq_len)
+    """(FLOP/s per device, source): measured now, at the actor's own GEMM shape (hf_config None: FALLBACK_SHAPE)
+    and dtype."""
+    shape = actor_gemm_shape(hf_config, tp, micro_batch, seq_len) if hf_config else FALLBACK_SHAPE
     threads = threads_per_device(n_devices_per_node)
     flops = measure_gemm_flops(shape, dtype, threads)
     return flops, f"measured {dtype} matmul {shape}, {threads} thread{'s' * (threads > 1)} (this CPU, at start)"

@@ -68,10 +68,14 @@ def device_peak_flops(cfg: HybridFlowConfig) -> tuple[float, str]:
         return M.known_peak_flops(torch.cuda.get_device_name()) or (989e12, "unknown GPU, H100 dense bf16 assumed")
     from hybridflow.precision import resolve
     from hybridflow.trainer.peak_flops import cpu_peak_flops
-    from megatron_workers.hf_io import read_hf_config
+    from megatron_workers.hf_io import CheckpointError, read_hf_config
 
     a, d = cfg.actor_rollout_ref, cfg.data
-    return cpu_peak_flops(read_hf_config(a.model.path), a.actor.megatron.tensor_model_parallel_size,
+    try:
+        hf_config = read_hf_config(a.model.path)
+    except CheckpointError:  # preflight has checked a real job's path; this is a driver over stand-in workers
+        hf_config = None
+    return cpu_peak_flops(hf_config, a.actor.megatron.tensor_model_parallel_size,
                           a.actor.ppo_micro_batch_size_per_gpu or 1, d.max_prompt_length + d.max_response_length,
                           resolve(a.model.dtype, "cpu"), cfg.trainer.n_gpus_per_node)
 
