@@ -61,6 +61,18 @@ def test_dp_proto_errors_name_the_problem():
         d(DispatchContext(4, tp2_dp2_mesh()), (DataProto.from_dict({"x": torch.zeros(3)}),), {})
 
 
+def test_dp_per_replica_sends_each_replica_its_own_list_and_collects_one_output_per_replica():
+    ctx = DispatchContext(4, tp2_dp2_mesh())
+    d, c = get_mode("dp_per_replica")
+    calls = d(ctx, ([["a", "b"], ["c"]],), {"max_steps": 4})
+    # both tp ranks of replica 0 get replica 0's list; keyword arguments go to every rank unchanged
+    assert calls == [((["a", "b"],), {"max_steps": 4}), ((["a", "b"],), {"max_steps": 4}),
+                     ((["c"],), {"max_steps": 4}), ((["c"],), {"max_steps": 4})]
+    assert c(ctx, ["out0", "tp1 copy", "out1", "tp1 copy"]) == ["out0", "out1"]
+    with pytest.raises(DispatchError, match="list of 2"):
+        d(ctx, ([["a"]],), {})
+
+
 def test_user_mode_and_unknown_mode():
     register_dispatch_mode("test_reverse", lambda ctx, a, k: [(a, k)] * ctx.world_size,
                            lambda ctx, outs: list(reversed(outs)))

@@ -24,7 +24,6 @@ PAGE = Path(__file__).parent.parent / "docs" / "verl.md"
 # key=value lines (as in the fixtures) that are dropped with a logged reason.
 IGNORED = {
     "data.return_raw_chat=",  # the dataset always keeps the raw chat
-    "actor_rollout_ref.rollout.mode=sync",  # what we do
 }
 # key=value lines that are refused -> what the message must offer instead (a key of our schema, or a way out).
 # (virtual_pipeline_model_parallel_size=2, model.enable_gradient_checkpointing, use_dynamic_bsz=True and
@@ -136,7 +135,7 @@ def test_every_listed_line_occurs_in_a_fixture():
     classes = classify_fixture_lines()
     assert classes["refused"] == set(REFUSED) and classes["ignored"] == IGNORED
     keys = {c: {line.split("=", 1)[0] for line in lines} for c, lines in classes.items()}
-    # over the six scripts: 54 distinct keys accepted, 2 ignored, 7 refused (printed for the record with -s)
+    # over the six scripts: 55 distinct keys accepted (rollout.mode=sync is a schema key now), 1 ignored, 7 refused (printed for the record with -s)
     print({c: len(k) for c, k in keys.items()})
 
 
@@ -240,7 +239,8 @@ def test_documented_defaults_are_ours():
 
 @pytest.mark.bad_input
 @pytest.mark.parametrize("override, match", [
-    ("actor_rollout_ref.rollout.mode=async", r"'actor_rollout_ref.rollout.mode=async' is refused.*not supported yet"),
+    ("actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml",
+     r"'actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml' is refused.*not supported yet"),
     ("actor_rollout_ref.actor.strategy=fsdp", r"'actor_rollout_ref.actor.strategy=fsdp' is refused.*Megatron only"),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=true",
      r"'actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True' is refused.*"

@@ -134,6 +134,34 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-using rollouts (verl's rollout.multi_turn.*); needs rollout.mode=async (server mode).
+    The agent loop (hybridflow/agent/loop.py) runs on the driver over the rollout server, token in, token out;
+    tools run in a sandboxed child process each (hybridflow/agent/tool_sandbox.py). docs/agent_loop.md."""
+
+    enable: bool = False
+    max_assistant_turns: int | None = None  # None: until no tool call, end of sequence or the response budget
+    max_parallel_calls: int = 1  # tool calls of one turn run concurrently, up to this many
+    max_tool_response_length: int = 256  # tokens of one tool result kept (the rest cut, see the side below)
+    tool_response_truncate_side: str = "middle"  # left | middle | right
+    tool_config_path: str | None = None  # a tools .py file or a verl-style YAML (docs/agent_loop.md)
+    format: str = "hermes"  # tool-call syntax: hermes (<tool_call>{json}</tool_call>) | compact (the tiny model's)
+    # Ours: one assistant turn's token limit (None: the whole response budget, rollout.response_length)
+    max_tokens_per_turn: int | None = None
+    tool_timeout_s: float = 10.0  # ours: one call's wall-time limit (killed after), an error observation
+    tool_memory_mb: int = 512  # ours: one call's address-space cap
+
+
+@dataclass
+class AgentConfig:
+    """Server mode's driver side (verl's rollout.agent.*, where the meaning matches)."""
+
+    max_concurrent_trajectories: int = 1024  # agent loops in flight on the driver at once
+    max_steps_per_tick: int = 16  # engine steps per server tick: a new request waits at most this many
+    request_timeout_s: float = 900.0  # one request (one assistant turn) from send to tokens
+
+
+@dataclass
 class RolloutConfig:
     name: str = "vllm"  # vllm | hf
     tensor_model_parallel_size: int = 1
@@ -160,6 +188,11 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int | None = 16384
     reshard_bucket_bytes: int = 64 * 1024 * 1024
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    # sync: one generate over the step's whole batch (the default). async: server mode, requests one at a time
+    # through hybridflow/rollout/server.py, the base of multi-turn agent loops (multi_turn.enable).
+    mode: str = "sync"
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass

@@ -6,8 +6,8 @@ an unknown key. A rule either
     backend or mode we do not have, or asks for what we do anyway, so dropping it changes nothing; or
   - REFUSES it, with what to use instead: a verl name we spell differently, a value whose meaning differs
     here, or a feature that is not supported yet (and what to do meanwhile).
-Some rules depend on the value: `actor_rollout_ref.rollout.mode=sync` is what we do (ignored), `=async`
-asks for a rollout mode we lack (refused).
+Some rules depend on the value: `actor_rollout_ref.actor.strategy=megatron` is what we do (ignored), any
+other strategy is refused.
 
 Keys that exist in both schemas with the same meaning are not listed here: they are ours
 (hybridflow/config/schema.py). The two tables of docs/verl.md ("Coming from verl") are generated from RULES
@@ -83,9 +83,25 @@ RULES: tuple[Rule, ...] = (
     Rule("*.fsdp_config.*", IGNORED, "FSDP backend settings; this stack trains with Megatron"),
     Rule("*.ulysses_sequence_parallel_size", IGNORED,
          "FSDP's Ulysses sequence parallelism; with Megatron use *.megatron.sequence_parallel"),
-    Rule("actor_rollout_ref.rollout.mode", REFUSED, "async (server / agent-loop) rollout is " + NOT_YET,
-         "actor_rollout_ref.rollout.mode=sync (or drop it): generation runs in the trainer's own processes",
-         ignore_values=("sync",)),
+    # ---- server mode and agent loops: verl's keys where the meaning matches are schema keys (rollout.mode,
+    # rollout.multi_turn.*, rollout.agent.*); these are the others
+    Rule("actor_rollout_ref.rollout.multi_turn.max_user_turns", REFUSED, "a cap on tool/user turns is " + NOT_YET,
+         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns (each assistant turn brings at most one round of "
+         "tool results)"),
+    Rule("actor_rollout_ref.rollout.multi_turn.interaction_config_path", REFUSED,
+         "verl's interaction (a simulated user between turns) is " + NOT_YET,
+         "write a step-based environment as an AgentLoop subclass (docs/agent_loop.md)"),
+    Rule("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", IGNORED,
+         "the agent loop never re-tokenises (token in, token out), so there is nothing to check"),
+    Rule("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", IGNORED,
+         "earlier turns are never re-rendered: the trained ids are the sampled ones plus the tool ids"),
+    Rule("actor_rollout_ref.rollout.agent.num_workers", IGNORED,
+         "agent loops run as asyncio tasks on the driver (tools in sandboxed child processes); "
+         "actor_rollout_ref.rollout.agent.max_concurrent_trajectories bounds them"),
+    Rule("actor_rollout_ref.rollout.agent.agent_loop_config_path", REFUSED, "agent-loop registries are " + NOT_YET,
+         "actor_rollout_ref.rollout.multi_turn.enable=true uses the default ToolAgentLoop"),
+    Rule("actor_rollout_ref.rollout.agent.custom_async_server", REFUSED, "a custom async server is " + NOT_YET,
+         "drop it: actor_rollout_ref.rollout.mode=async serves from the trainer's own vLLM engines"),
     Rule("data.return_raw_chat", IGNORED,
          "the dataset always keeps each row's raw chat (raw_prompt) next to its token ids"),
 )

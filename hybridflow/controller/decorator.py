@@ -19,6 +19,8 @@ class Dispatch(StrEnum):
     ALL_TO_ALL = "all_to_all"  # args are per-rank lists, collect a list
     RANK_ZERO = "rank_zero"  # run on rank 0 only, return its result
     DP_COMPUTE_PROTO = "dp_compute_proto"  # split DataProto over dp ranks, collect from is_collect ranks
+    DP_PER_REPLICA = "dp_per_replica"  # positional args: one item per dp rank (routed by the driver); collect a
+    #                                   list, one output per dp rank from its is_collect rank
 
 
 class Execute(StrEnum):

@@ -113,11 +113,33 @@ def _collect_dp_proto(ctx, outputs):
     return by_dp
 
 
+def _dp_per_replica(ctx, args, kwargs):
+    """Each positional argument is a list with one item per dp rank, already routed by the caller (the rollout
+    server pins a trajectory to one replica); every tp/pp rank of replica d gets item d. Keyword arguments go
+    to every rank as they are."""
+    dp = dp_size_of(ctx)
+    for i, a in enumerate(args):
+        if not isinstance(a, list | tuple) or len(a) != dp:
+            raise DispatchError(f"DP_PER_REPLICA needs each positional argument to be a list of {dp} (one per dp "
+                                f"rank); argument {i} is not")
+    return [(tuple(a[c.dp_rank] for a in args), dict(kwargs)) for c in ctx.mesh]
+
+
+def _collect_per_replica(ctx, outputs):
+    dp = dp_size_of(ctx)
+    by_dp = [None] * dp
+    for coords, out in zip(ctx.mesh, outputs, strict=True):
+        if coords.is_collect:
+            by_dp[coords.dp_rank] = out
+    return by_dp
+
+
 _MODES: dict[str, tuple[Callable, Callable]] = {
     Dispatch.ONE_TO_ALL.value: (_one_to_all, _collect_list),
     Dispatch.ALL_TO_ALL.value: (_all_to_all, _collect_list),
     Dispatch.RANK_ZERO.value: (_rank_zero, _collect_rank_zero),
     Dispatch.DP_COMPUTE_PROTO.value: (_dp_compute_proto, _collect_dp_proto),
+    Dispatch.DP_PER_REPLICA.value: (_dp_per_replica, _collect_per_replica),
 }
 
 

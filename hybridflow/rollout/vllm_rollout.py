@@ -266,6 +266,72 @@ class VLLMRollout(Rollout):
                            "tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0}
         return assemble_rollout_output(prompts, responses, log_probs, s.n, s.response_length, self.pad_token_id)
 
+    # ---- server mode: the engine's own add-request / step loop ------------------------------------
+    # `generate_sequences` hands vLLM a whole batch and waits for all of it. In server mode
+    # (hybridflow/rollout/server.py) the driver instead sends requests as agent loops produce them;
+    # each `serve_tick` adds the new ones to the running engine and steps it until one finishes, so a
+    # trajectory whose turn ended can run its tool and come back while the others keep decoding. All TP
+    # ranks of a replica get the same requests in the same tick and step the same way, which is what
+    # external_launcher needs; vLLM's AsyncLLM is not used because it runs its own engine-core loop in a
+    # background process/thread, outside the trainer's SPMD process where the 3D-HybridEngine writes weights.
+
+    def _request_params(self, r: dict):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        common = dict(max_tokens=int(r["max_tokens"]), stop_token_ids=list(r.get("stop_token_ids", ())),
+                      logprobs=0 if self.config.calculate_log_probs else None, detokenize=False,
+                      seed=r.get("seed"), output_kind=RequestOutputKind.FINAL_ONLY)
+        if r.get("greedy"):
+            return SamplingParams(temperature=0.0, **common)
+        top_k = int(r.get("top_k", -1))
+        return SamplingParams(temperature=float(r.get("temperature", 1.0)), top_p=float(r.get("top_p", 1.0)),
+                              top_k=top_k if top_k > 0 else -1, **common)
+
+    def serve_tick(self, requests: list[dict], max_steps: int = 16, lockstep: bool = False) -> list[dict]:
+        """Adds `requests` ({request_id, prompt_ids, max_tokens, seed, temperature, ...}) to the engine, steps it
+        until a request finishes (at most `max_steps` steps; lockstep=True: exactly until the engine is idle
+        or max_steps, the rule vLLM's data-parallel engines need, whose steps are collectives) and returns the
+        finished ones as {request_id, token_ids, log_probs, finish_reason}. Unfinished requests stay in flight
+        for the next tick."""
+        from vllm.inputs import TokensPrompt
+
+        if self._released:
+            raise RuntimeError("VLLMRollout.serve_tick after release(); call resume() first")
+        engine = self.llm.llm_engine
+        for r in requests:
+            engine.add_request(str(r["request_id"]), TokensPrompt(prompt_token_ids=list(r["prompt_ids"])),
+                               self._request_params(r))
+        done: list[dict] = []
+        steps = 0
+        start = time.perf_counter()
+        while steps < max_steps and engine.has_unfinished_requests():
+            steps += 1
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                comp = out.outputs[0]
+                toks = list(comp.token_ids)
+                lps = _sampled_log_probs(toks, comp.logprobs, out.request_id) if self.config.calculate_log_probs \
+                    else None
+                done.append({"request_id": out.request_id, "token_ids": toks, "log_probs": lps,
+                             "finish_reason": "stop" if comp.finish_reason == "stop" else str(comp.finish_reason)})
+            if done and not lockstep:
+                break
+        self.last_stats = {"seconds": time.perf_counter() - start, "steps": steps,
+                           "response_tokens": sum(len(d["token_ids"]) for d in done)}
+        return done
+
+    def abort_in_flight(self) -> list[str]:
+        """Drops every request still in the engine (a server shutting down, or a weight update without
+        partial rollouts); returns their ids."""
+        engine = self.llm.llm_engine
+        states = engine.output_processor.request_states  # keyed by vLLM's internal (suffixed) ids
+        external = [st.external_req_id for st in states.values()]
+        if states:
+            engine.abort_request(list(states), internal=True)
+        return external
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replaces the weights with HF-named full tensors; every rank passes the full tensors and
         vLLM takes its TP shard. Give the whole model in one call (see Rollout.load_weights)."""
