@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 from hybridflow.config.schema import RolloutConfig  # noqa: E402
 from hybridflow.models.tiny import build_tokenizer, save_tiny_model  # noqa: E402
 from hybridflow.rollout.hf_rollout import HFRollout  # noqa: E402
+from hybridflow.rollout.output import assemble_rollout_output  # noqa: E402
 
 R = 24  # response length
 
@@ -160,3 +161,68 @@ def test_without_log_probs_the_same_samples_and_no_log_prob_key(engine, tok):
     assert len({tuple(r) for r in without.batch["responses"].tolist()}) > 1  # sampled, not one greedy answer
     for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
         assert torch.equal(with_lp.batch[key], without.batch[key]), key
+
+
+# ---------------------------------------------------------------- server mode: the engine's add-request/step loop
+
+def _serve_all(rollout, waves, max_steps=4):
+    """Feeds `waves` (lists of requests) one per tick, then ticks until nothing is in flight; returns
+    {request_id: output} and the number of ticks at which each request came back."""
+    done, tick_of, ticks = {}, {}, 0
+    waves = list(waves)
+    while waves or rollout.llm.llm_engine.has_unfinished_requests():
+        ticks += 1
+        assert ticks < 200, "the engine never finished"
+        for d in rollout.serve_tick(waves.pop(0) if waves else [], max_steps=max_steps):
+            done[d["request_id"]] = d
+            tick_of[d["request_id"]] = ticks
+    return done, tick_of
+
+
+def _request(rid, ids, **kw):
+    return {"request_id": rid, "prompt_ids": ids, "max_tokens": R, **kw}
+
+
+def test_serve_tick_greedy_equals_hf_with_requests_joining_mid_flight(engine, tok):
+    """Requests added while others decode (continuous batching across ticks) decode exactly as HF greedy does,
+    and their log-probs are the teacher-forced ones."""
+    rollout, hf, _ = engine
+    prompts = make_prompts(tok, meta_info={"do_sample": False})
+    rows = [[t for t, m in zip(ids, mask) if m] for ids, mask in
+            zip(prompts.batch["input_ids"].tolist(), prompts.batch["attention_mask"].tolist())]
+    waves = [[_request(f"q{i}", rows[i], greedy=True, ignore_eos=True) for i in range(3)], [],
+             [_request(f"q{i}", rows[i], greedy=True, ignore_eos=True) for i in range(3, len(rows))]]
+    done, tick_of = _serve_all(rollout, waves)
+    assert sorted(done) == sorted(f"q{i}" for i in range(len(rows)))
+    assert min(tick_of[f"q{i}"] for i in range(3, len(rows))) > 3, "the late wave finishes after it was added"
+    want = hf_greedy(hf, prompts, R)
+    for i in range(len(rows)):
+        assert done[f"q{i}"]["token_ids"] == want[i], i
+        assert done[f"q{i}"]["finish_reason"] == "length"
+    # the sampler's log-probs against one teacher-forced HF forward over the same tokens
+    out = assemble_rollout_output(prompts, [done[f"q{i}"]["token_ids"] for i in range(len(rows))],
+                                  [done[f"q{i}"]["log_probs"] for i in range(len(rows))], 1, R, tok.pad_token_id)
+    torch.testing.assert_close(out.batch["rollout_log_probs"], teacher_forced_log_probs(hf, out), atol=1e-4, rtol=0)
+    assert rollout.abort_in_flight() == []
+
+
+def test_serve_tick_per_request_seed_draws_the_same_whatever_else_is_in_flight(engine, tok):
+    rollout, _, _ = engine
+    ids = [tok.bos_token_id, *tok("what is 2+2?", add_special_tokens=False)["input_ids"]]
+    alone, _ = _serve_all(rollout, [[_request("a", ids, seed=123, temperature=0.9)]])
+    crowd = [_request(f"o{i}", ids[: 2 + i], seed=i, temperature=0.9) for i in range(6)]
+    mixed, _ = _serve_all(rollout, [crowd[:3], [_request("a", ids, seed=123, temperature=0.9)], crowd[3:]])
+    other, _ = _serve_all(rollout, [[_request("a", ids, seed=124, temperature=0.9)]])
+    assert mixed["a"]["token_ids"] == alone["a"]["token_ids"]
+    torch.testing.assert_close(torch.tensor(mixed["a"]["log_probs"]), torch.tensor(alone["a"]["log_probs"]),
+                               atol=1e-5, rtol=0)
+    assert other["a"]["token_ids"] != alone["a"]["token_ids"], "another seed should draw another sample"
+
+
+def test_abort_in_flight_drops_unfinished_requests(engine, tok):
+    rollout, _, _ = engine
+    ids = [tok.bos_token_id, *tok("hi", add_special_tokens=False)["input_ids"]]
+    out = rollout.serve_tick([_request("long", ids, greedy=True, ignore_eos=True)], max_steps=2)
+    assert out == []  # 2 steps < R tokens
+    assert rollout.abort_in_flight() == ["long"]
+    assert not rollout.llm.llm_engine.has_unfinished_requests()

@@ -280,6 +280,7 @@ class VLLMRollout(Rollout):
         from vllm.sampling_params import RequestOutputKind
 
         common = dict(max_tokens=int(r["max_tokens"]), stop_token_ids=list(r.get("stop_token_ids", ())),
+                      ignore_eos=bool(r.get("ignore_eos", False)),
                       logprobs=0 if self.config.calculate_log_probs else None, detokenize=False,
                       seed=r.get("seed"), output_kind=RequestOutputKind.FINAL_ONLY)
         if r.get("greedy"):
