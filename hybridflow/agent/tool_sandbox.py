@@ -8,17 +8,20 @@ it never unpickles anything from the child. A call past `timeout_s` is killed wi
 (SIGKILL). Whatever goes wrong (the tool raises, hangs, returns a non-string, runs out of memory, the child
 dies) becomes an error observation `error: <Kind>: <detail>` for the model, never an exception in the loop.
 
-Measured (2-core x86 box, Python 3.11, idle; tests/test_agent_sandbox.py::test_overhead prints it): a call
-of a tool that returns at once takes ~35-45 ms of wall time, nearly all of it the interpreter's start
-(`python -I -S` with json/resource/ctypes); the user file's own imports come on top, every call. 64 calls of
-a 50 ms tool on 64 concurrent trajectories finish in ~1.0-1.5 s, against ~6 s one after another
-(tests/test_agent_loop.py::test_many_trajectories_overlap_tool_calls).
+Measured (2-core x86 box, Python 3.11; tests/test_agent_sandbox.py::test_overhead prints it): a call of a
+tool that returns at once takes ~25-35 ms of wall time and ~19 ms of CPU (16 ms without the network
+namespace), nearly all of it the interpreter's start (`python -I -S`: 10 ms of CPU for `pass`); the user
+file's own imports come on top, every call. 64 trajectories each calling a 50 ms tool finish in ~0.8-1.3 s,
+x6 faster than one after another on an idle box, x4 at load 1
+(tests/test_agent_loop.py::test_many_trajectories_overlap_tool_calls): the concurrent run is bound by the
+CPU of starting 64 interpreters. A fork server (one clean process forking a child per call) would cut that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import marshal
 import math
 import os
 import signal
@@ -65,9 +68,9 @@ class ToolSandbox:
         self._slots_loop = None
 
     def _job(self, mode: str, path: str, function: str = "", arguments: dict | None = None) -> bytes:
-        return json.dumps({"mode": mode, "path": path, "function": function, "arguments": arguments or {},
+        return marshal.dumps({"mode": mode, "path": path, "function": function, "arguments": arguments or {},
                            "memory_mb": self.memory_mb, "cpu_s": max(1, math.ceil(self.timeout_s)) + 1,
-                           "netns": self.netns, "sys_path": [p for p in sys.path if p]}).encode()
+                           "netns": self.netns, "sys_path": [p for p in sys.path if p]})
 
     def _semaphore(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
