@@ -87,8 +87,8 @@ class RolloutServer:
         try:
             return await asyncio.wait_for(fut, self.request_timeout_s)
         except TimeoutError:
-            raise ServerError(f"request {rid} (route {route_key!r}) got no tokens within {self.request_timeout_s:.0f} s "
-                              "(rollout.agent.request_timeout_s)") from None
+            raise ServerError(f"request {rid} (route {route_key!r}) got no tokens within "
+                              f"{self.request_timeout_s:.0f} s (rollout.agent.request_timeout_s)") from None
 
     # ---- the ticker ----------------------------------------------------------------------------------
     _wake: asyncio.Event | None = None

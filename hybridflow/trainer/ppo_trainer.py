@@ -138,6 +138,11 @@ class RayPPOTrainer:
         self.last_val_step: int | None = None  # the step whose policy was last validated (kept in checkpoints)
         self.global_step = 0
         self.n_params = None
+        self.agent_rollout = None  # server mode (rollout.mode=async): gen through agent loops, same stages after
+        if cfg.actor_rollout_ref.rollout.mode == "async":
+            from hybridflow.trainer.agent_rollout import AgentRollout
+
+            self.agent_rollout = AgentRollout(cfg, actor_rollout_ref, tokenizer)
         from hybridflow.trainer.timeline import StepTimeline
 
         groups = [actor_rollout_ref, critic, ref, reward_model]
@@ -223,6 +228,14 @@ class RayPPOTrainer:
         from 1), the critic at every step; critic_warmup=N thus trains only the critic for the first N-1 steps."""
         return self.cfg.trainer.critic_warmup <= self.global_step
 
+    def generate(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """The gen stage: one generate over the batch (rollout.mode=sync), or agent loops over the rollout server
+        (async); either way the verl-shaped rollout batch (hybridflow/rollout/base.py) and gen's metrics."""
+        if self.agent_rollout is not None:
+            return self.agent_rollout.generate(batch)
+        gen = self.arr.generate_sequences(batch)
+        return gen, M.reduce_worker_metrics(gen.meta_info.pop("metrics", {}))
+
     def step(self) -> dict:
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
@@ -230,9 +243,8 @@ class RayPPOTrainer:
         batch = self.next_batch()
         batch.meta_info["global_step"] = self.global_step
         with timer("gen", timings):
-            gen = self.arr.generate_sequences(batch)
-        metrics.update(M.reduce_worker_metrics(gen.meta_info.pop("metrics", {})))
-        batch = gen
+            batch, gen_metrics = self.generate(batch)
+        metrics.update(gen_metrics)
         batch.meta_info["rollout_n"] = self.cfg.actor_rollout_ref.rollout.n  # mini-batches count prompts
         if self.rm is not None:
             with timer("rm", timings):
@@ -326,16 +338,20 @@ class RayPPOTrainer:
         if self.val_dataset is None:
             raise RuntimeError("validate() needs a val dataset: set data.val_files")
         t = time.perf_counter()
-        sources, prompts, scores = [], [], []
+        sources, prompts, scores, calls = [], [], [], []
         for k, rows in enumerate(V.chunks(len(self.val_dataset), self.cfg.data.val_batch_size)):
             batch = self.generate_validation([self.val_dataset[i] for i in rows])
             batch.batch["token_level_scores"], _ = self.score_validation(batch)
+            calls += [int(c) for c in batch.non_tensor_batch.get("tool_calls", [])]
             sources += [str(s) for s in batch.non_tensor_batch["data_source"]]
             prompts += [int(i) for i in batch.non_tensor_batch["index"]]
             scores += batch.batch["token_level_scores"].sum(-1).tolist()
             if self.cfg.trainer.validation_data_dir:
                 self.dump_samples(batch, self.cfg.trainer.validation_data_dir, append=k > 0)
         metrics = V.validation_metrics(sources, prompts, scores)
+        if calls:  # agent loops: how often the policy used a tool, and how many calls it made
+            metrics["val-aux/tool/call_rate"] = sum(c > 0 for c in calls) / len(calls)
+            metrics["val-aux/tool/calls_per_trajectory"] = sum(calls) / len(calls)
         metrics["timing_s/testing"] = time.perf_counter() - t
         return metrics
 
@@ -349,6 +365,9 @@ class RayPPOTrainer:
 
         tensors, objects = collate(rows, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length)
         meta = {"global_step": self.global_step, **V.sampling_meta(self.cfg.actor_rollout_ref.rollout.val_kwargs)}
+        if self.agent_rollout is not None:  # requests one by one: no padding to the group's size
+            out, _ = self.agent_rollout.generate(DataProto.from_dict(tensors, objects, meta))
+            return out
         padded, pad = DataProto.from_dict(tensors, objects, meta).pad_to_divisor(self.arr.world_size)
         out = self.arr.generate_sequences(padded)
         out.meta_info.pop("metrics", None)  # the reshard/gen timings describe training rollouts
@@ -494,8 +513,27 @@ def rollout_records(batch: DataProto, tokenizer, responses: list[str], step: int
             record["index"] = int(nt["index"][i])
         if rm_score is not None:
             record["rm_score"] = float(rm_score[i])
+        if "num_turns" in nt:  # an agent loop's trajectory: the transcript turn by turn (tool turns: mask 0)
+            record["num_turns"] = int(nt["num_turns"][i])
+            record["turns"] = transcript(b["responses"][i], b["attention_mask"][i, -r:], b["response_mask"][i],
+                                         tokenizer)
         out.append(record)
     return out
+
+
+def transcript(response_ids, attention, loss_mask, tokenizer) -> list[dict]:
+    """[{role: assistant | tool, text}]: the response cut where the loss mask changes (the loop's inserted tokens
+    are the tool turns), decoded with the special tokens, so the chat boundaries show."""
+    turns: list[dict] = []
+    ids = response_ids[attention.bool()].tolist()
+    mask = loss_mask[attention.bool()].tolist()
+    start = 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or mask[k] != mask[start]:
+            turns.append({"role": "assistant" if mask[start] else "tool",
+                          "text": tokenizer.decode(ids[start:k], skip_special_tokens=False)})
+            start = k
+    return turns
 
 
 def _metrics_of(out) -> dict | list:

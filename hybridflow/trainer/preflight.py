@@ -164,6 +164,9 @@ def validate(cfg: HybridFlowConfig) -> None:
     except LayoutError as e:
         raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size="
                          f"{a.rollout.tensor_model_parallel_size}: {e}") from None
+    from hybridflow.config.server_mode_checks import validate_server_mode
+
+    validate_server_mode(a.rollout, place.world("actor_rollout"))
     _validate_ref(cfg, place, actor_hf)
     checks.counts(cfg, ("data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_epochs",
                         *(f"actor_rollout_ref.{k}" for k in ("actor.ppo_mini_batch_size",
