@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-$(shell cksum setup.py | cut -d' ' -f1)
 PYTEST_ARGS ?=
 CONFIG ?= configs/ppo_tiny_cpu.yaml
 
-.PHONY: install test lint demo demo-grpo bench docs clean
+.PHONY: install test lint demo demo-grpo demo-agent bench docs clean
 
 install: $(STAMP)
 
@@ -36,6 +36,11 @@ demo: $(STAMP)
 
 demo-grpo: $(STAMP)
 	$(MAKE) demo CONFIG=configs/grpo_tiny_cpu.yaml
+
+# A tiny model learns to call a tool (server mode, multi-turn agent loop, sandboxed tool; docs/agent_loop.md).
+demo-agent: $(STAMP)
+	$(PY) -m hybridflow.trainer.warmstart_agent --out runs/demo_agent_assets
+	$(PY) -m hybridflow.trainer.main --config configs/grpo_agent_tiny_cpu.yaml
 
 bench: $(STAMP)
 	$(PY) launch/bench_controller.py

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.rewards import gsm8k, gsm8k_lenient, math_answer, synthetic
+from hybridflow.rewards import gsm8k, gsm8k_lenient, lookup, math_answer, synthetic
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ BUILTIN_SCORERS: dict[str, Callable[[str, Any], float]] = {
     gsm8k_lenient.DATA_SOURCE: gsm8k_lenient.compute_score,
     **{source: math_answer.compute_score for source in math_answer.DATA_SOURCES},
     synthetic.DATA_SOURCE: synthetic.compute_score,
+    lookup.DATA_SOURCE: lookup.compute_score,
 }
 
 

@@ -522,7 +522,7 @@ def rollout_records(batch: DataProto, tokenizer, responses: list[str], step: int
 
 
 def transcript(response_ids, attention, loss_mask, tokenizer) -> list[dict]:
-    """[{role: assistant | tool, text}]: the response cut where the loss mask changes (the loop's inserted tokens
+    """[{role: assistant | tool, ids, text}]: the response cut where the loss mask changes (the loop's inserted tokens
     are the tool turns), decoded with the special tokens, so the chat boundaries show."""
     turns: list[dict] = []
     ids = response_ids[attention.bool()].tolist()
@@ -530,7 +530,7 @@ def transcript(response_ids, attention, loss_mask, tokenizer) -> list[dict]:
     start = 0
     for k in range(1, len(ids) + 1):
         if k == len(ids) or mask[k] != mask[start]:
-            turns.append({"role": "assistant" if mask[start] else "tool",
+            turns.append({"role": "assistant" if mask[start] else "tool", "ids": ids[start:k],
                           "text": tokenizer.decode(ids[start:k], skip_special_tokens=False)})
             start = k
     return turns
