@@ -21,12 +21,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="also write the result JSON to this file")
     ap.add_argument("--compare", nargs="+", metavar="RESULT", default=None,
                     help="result files (--out, or a benchmark's captured output) to print side by side")
-    ap.add_argument("--ablation", choices=["long_tail"], default=None,
-                    help="the before/after rows on the long-tailed workload (launch/benchmark/long_tail.py); "
-                         "no CONFIG")
+    ap.add_argument("--ablation", choices=["long_tail", "agent_tools"], default=None,
+                    help="long_tail: the before/after rows on the long-tailed workload (launch/benchmark/long_tail.py);"
+                         " agent_tools: 64 agent trajectories with a 50 ms tool, concurrent vs sequential "
+                         "(launch/benchmark/agent_tools.py); no CONFIG")
     args = ap.parse_args(argv)
     if args.ablation and args.config:
-        ap.error("--ablation runs its own config (configs/ppo_tiny_cpu.yaml + the workload); give no CONFIG")
+        ap.error("--ablation runs its own config (configs/ppo_tiny_cpu.yaml or configs/grpo_agent_tiny_cpu.yaml + the "
+                 "workload); give no CONFIG")
     if args.compare is None and not args.config and not args.ablation:
         ap.error("give a CONFIG to run, --ablation long_tail, or --compare RESULT ...")
     return args
@@ -47,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(compare(results))
         return 0
+    if args.ablation == "agent_tools":
+        from launch.benchmark.agent_tools import main as agent_tools_main
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return agent_tools_main(args.out)
     if args.ablation:
         from launch.benchmark.long_tail import main as ablation_main
 
