@@ -88,13 +88,16 @@ class AgentRollout:
         response_length = int(batch.meta_info.get("response_length", r.response_length))
         step = int(batch.meta_info.get("global_step", 0))
         uids = batch.non_tensor_batch.get("uid")
+        # validation walks the val set in chunks: its rows' dataset index keeps their seeds apart across chunks
+        index = batch.non_tensor_batch.get("index") if validation else None
         samples = []
         for i, ids in enumerate(prompt_ids_of(batch)):
+            row = int(index[i]) if index is not None else i
             for j in range(n):
                 samples.append({**{k: v[i] for k, v in batch.non_tensor_batch.items()},
-                                "prompt_ids": ids, "uid": f"{i}.{j}",
-                                "route_key": str(uids[i]) if uids is not None else f"row{i}",
-                                "seed": trajectory_seed(r.seed, step, i, j, validation)})
+                                "prompt_ids": ids, "uid": f"{row}.{j}",
+                                "route_key": str(uids[i]) if uids is not None else f"row{row}",
+                                "seed": trajectory_seed(r.seed, step, row, j, validation)})
         t = time.perf_counter()
         async with self.server.running(weight_version=step) as begin:
             trajectories = await run_many(self.make_loop(sampling, response_length), samples, self.server,
