@@ -24,7 +24,13 @@ def data_metrics(batch, use_critic: bool, rollout_vs_old: bool = True) -> dict[s
     b = batch.batch
     response_mask = b["response_mask"].bool()
     max_response = response_mask.shape[1]
-    response_len = response_mask.sum(-1).float()
+    # response_length counts every attended response token: in a multi-turn rollout that includes the tool
+    # tokens the agent loop inserted (response_mask 0, attention_mask 1), as verl counts it, and it is the count
+    # the response budget (rollout.response_length) caps, so clip_ratio compares it with the budget.
+    # response_length/model_tokens_* counts only the model's own tokens (response_mask 1: what is trained on).
+    # Single-turn, both are the same numbers.
+    response_len = b["attention_mask"][:, -max_response:].bool().sum(-1).float()
+    model_len = response_mask.sum(-1).float()
     prompt_len = b["attention_mask"][:, :-max_response].sum(-1).float()
     out = {}
     out.update(_stats("critic/score", b["token_level_scores"].sum(-1)))
@@ -41,6 +47,8 @@ def data_metrics(batch, use_critic: bool, rollout_vs_old: bool = True) -> dict[s
         out["critic/vf_explained_var"] = (1 - (returns - values).var() / (var_r + 1e-5)).item()
     out.update(_stats("response_length", response_len))
     out["response_length/clip_ratio"] = (response_len == max_response).float().mean().item()
+    out.update({f"response_length/model_tokens_{k.rsplit('/', 1)[1]}": v
+                for k, v in _stats("response_length", model_len).items()})
     out.update(_stats("prompt_length", prompt_len))
     if rollout_vs_old and "rollout_log_probs" in b and "old_log_probs" in b:
         # How far the rollout engine's sampling probabilities are from the trainer's (resharding, kernels, dtype).
@@ -54,10 +62,13 @@ def data_metrics(batch, use_critic: bool, rollout_vs_old: bool = True) -> dict[s
 
 
 def token_counts(batch) -> tuple[int, int]:
-    """(prompt tokens, response tokens) actually present (masks), for throughput."""
-    response_mask = batch.batch["response_mask"]
-    r = response_mask.shape[1]
-    return int(batch.batch["attention_mask"][:, :-r].sum()), int(response_mask.sum())
+    """(prompt tokens, response tokens) actually present (attention_mask), for throughput.
+
+    Response tokens include a multi-turn rollout's tool tokens (response_mask 0): every pass processes them.
+    """
+    r = batch.batch["response_mask"].shape[1]
+    attended = batch.batch["attention_mask"].bool()
+    return int(attended[:, :-r].sum()), int(attended[:, -r:].sum())
 
 
 def timing_metrics(timings: dict[str, float], n_prompt: int, n_response: int) -> dict[str, float]:
