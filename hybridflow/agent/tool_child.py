@@ -157,5 +157,20 @@ def main() -> None:
     os._exit(0)  # no atexit handlers or finalizers of the user's code
 
 
+def _parse_args(argv: list[str]) -> None:
+    """Only --help, and only when asked: the parent starts the child without arguments (argparse costs ~1 ms)."""
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m hybridflow.agent.tool_child",
+        description="Run one sandboxed tool call (or describe a tools file) in this memory- and network-limited "
+                    "process; hybridflow.agent.tool_sandbox starts it.",
+        epilog="Reads a marshalled job from stdin and prints one JSON line. Not meant to be run by hand: the agent "
+               "loop starts one per tool call.",
+    ).parse_args(argv)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:]:
+        _parse_args(sys.argv[1:])
     main()
