@@ -162,10 +162,13 @@ def test_cpu_peak_is_the_actor_gemm_measured_in_its_dtype():
     assert actor_gemm_shape(cfg, tp=1, micro_batch=1000, seq_len=1000).m == 4096  # rows capped
     rate = measure_gemm_flops(shape, "float32", threads=1, min_s=0.05)
     a, b = torch.randn(128, 64), torch.randn(64, 176)
-    t = time.perf_counter()
-    for _ in range(50):
-        a @ b
-    plain = 50 * shape.flops / (time.perf_counter() - t)
+    best = float("inf")
+    for _ in range(5):  # the best of five short loops, as measure_gemm_flops takes its best: a loaded box (other
+        t = time.perf_counter()  # tests, xdist workers) once made a single 50-product loop 1000x slower
+        for _ in range(10):
+            a @ b
+        best = min(best, time.perf_counter() - t)
+    plain = 10 * shape.flops / best
     assert plain / 20 < rate < plain * 20  # the best single timing, not the mean: same order as a plain loop
     flops, source = cpu_peak_flops(cfg, 2, 4, 32, "bfloat16", n_devices_per_node=2)
     assert flops > 0 and source.startswith("measured bfloat16 matmul [128x64] @ [64x176]"), source
