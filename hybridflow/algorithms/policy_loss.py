@@ -29,6 +29,7 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Returns pg_loss (differentiable scalar) and detached metrics.
 
@@ -41,6 +42,8 @@ def compute_policy_loss(
     pg_clipfrac: fraction of valid tokens where the ratio clip chose the loss.
     pg_clipfrac_lower: fraction where the dual clip (A < 0, large ratio) chose it.
     ppo_kl: masked mean of old_log_prob - log_prob (a k1 estimate of KL(old || new)).
+    rollout_is_weights: verl's rollout correction (rollout_correction.py), (B, R) detached weights that
+    multiply each token's loss before aggregation; None (the default) leaves the loss exactly as without them.
     """
     require_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     if not clip_ratio_c > 1.0:
@@ -59,6 +62,9 @@ def compute_policy_loss(
     dual = -advantages * clip_ratio_c
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(clipped, dual), clipped)
+    if rollout_is_weights is not None:
+        require_same_shape(log_prob=log_prob, rollout_is_weights=rollout_is_weights)
+        per_token = per_token * rollout_is_weights.detach()
 
     pg_loss = agg_loss(per_token, response_mask, loss_agg_mode, loss_scale_factor=loss_scale_factor)
     with torch.no_grad():

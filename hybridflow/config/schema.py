@@ -264,6 +264,23 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's `algorithm.rollout_correction` (hybridflow/algorithms/rollout_correction.py; docs/verl.md):
+    off-policy rollouts (sampled by an older or different policy than the one trained) in the PPO update.
+    Needs actor_rollout_ref.rollout.calculate_log_probs=true. Off by default: the update is then unchanged.
+    verl's rejection sampling (rollout_rs), loss_type=reinforce and rollout_is_batch_normalize are not here
+    (hybridflow/config/verl_compat.py: their off values are accepted, others refused)."""
+
+    # null (off) | token | sequence: truncated IS weights min(pi_old / pi_rollout, rollout_is_threshold), per token or
+    # per sequence (product over its tokens), multiplying each token's PPO loss (decoupled mode, AReaL's objective)
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0  # must be > 1 (the cap C on the weights)
+    # true: old_log_prob := the rollout's log-probs (no old-log-prob pass); the PPO ratio pi_theta / pi_rollout is
+    # clipped and is itself the IS ratio (rollout_is must stay null). false: decoupled (three policies)
+    bypass_mode: bool = False
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
     gamma: float = 1.0
@@ -272,6 +289,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # hybridflow.algorithms.KL_KINDS, as actor.kl_loss_type
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
