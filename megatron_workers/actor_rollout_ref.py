@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 ROLES = ("actor", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 MESH = "actor"
 # loss_fn metrics that are per-token means in every loss_agg_mode (masked_mean), not aggregated like the loss
-TOKEN_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "rollout_logprob_diff")
+TOKEN_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "rollout_logprob_diff",
+                 "rollout_corr/rollout_is_mean", "rollout_corr/logprob_diff_mean")
 
 
 def response_logprobs(logits: torch.Tensor, micro: dict, response_length: int, real_vocab_size: int,
@@ -151,8 +152,9 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
 
     # ------------------------------------------------------------------ training
 
-    def _policy_loss_fn(self, response_length: int, temperature: float, on_policy: bool = False):
-        from hybridflow.algorithms import agg_loss, compute_policy_loss, kl_penalty
+    def _policy_loss_fn(self, response_length: int, temperature: float, on_policy: bool = False,
+                        bypass: bool = False):
+        from hybridflow.algorithms import agg_loss, compute_policy_loss, kl_penalty, masked_mean
 
         cfg = self.config.actor
         low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
@@ -167,9 +169,11 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
             # On-policy single update: the ratio is taken against this very forward (detached), so the
             # driver skipped the separate old-log-prob pass.
             old = log_prob.detach() if on_policy else get("old_log_probs")
+            # rollout correction, decoupled mode: the driver's truncated IS weights pi_old / pi_rollout (detached)
+            weights = get("rollout_is_weights") if "rollout_is_weights" in micro else None
             pg = compute_policy_loss(old, log_prob, get("advantages"), mask, clip_ratio_low=low,
                                      clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode,
-                                     loss_scale_factor=cfg.loss_scale_factor)
+                                     loss_scale_factor=cfg.loss_scale_factor, rollout_is_weights=weights)
             entropy_agg = agg_loss(entropy, mask, mode, loss_scale_factor=cfg.loss_scale_factor)
             loss = pg["pg_loss"] - cfg.entropy_coeff * entropy_agg
             metrics = {"pg_loss": pg["pg_loss"], "pg_clipfrac": pg["pg_clipfrac"], "ppo_kl": pg["ppo_kl"],
@@ -177,6 +181,10 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
             if on_policy and "old_log_probs" in micro:  # the rollout engine's log-probs: report the mismatch
                 diff = (log_prob.detach() - get("old_log_probs")).abs()
                 metrics["rollout_logprob_diff"] = (diff * mask).sum() / mask.sum().clamp(min=1)
+            if bypass:  # old is the rollout's: the off-policy ratio pi_theta / pi_rollout at this update's weights
+                lr = (log_prob.detach() - old).clamp(-20.0, 20.0)
+                metrics["rollout_corr/rollout_is_mean"] = masked_mean(lr.exp(), mask)
+                metrics["rollout_corr/logprob_diff_mean"] = masked_mean(lr.abs(), mask)
             if cfg.use_kl_loss:
                 kl = agg_loss(kl_penalty(log_prob, get("ref_log_prob"), cfg.kl_loss_type), mask, mode,
                               loss_scale_factor=cfg.loss_scale_factor)
@@ -198,6 +206,8 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
             keys.remove("old_log_probs")
         if cfg.use_kl_loss:
             keys.append("ref_log_prob")
+        if "rollout_is_weights" in data.batch:  # algorithm.rollout_correction (decoupled): the driver's weights
+            keys.append("rollout_is_weights")
         missing = [k for k in keys if k not in data.batch]
         if missing:
             raise KeyError(f"update_actor: batch lacks {missing} (has {sorted(data.batch)})")
@@ -209,7 +219,8 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
         mini_batch = rows // dp_size
         response_length = data.batch["responses"].shape[1]
         temperature = float(data.meta_info.get("temperature", self.config.rollout.temperature))
-        loss_fn = self._policy_loss_fn(response_length, temperature, on_policy)
+        bypass = bool(data.meta_info.get("rollout_correction_bypass", False))
+        loss_fn = self._policy_loss_fn(response_length, temperature, on_policy, bypass)
         count_fn = lambda micro: agg_count(micro, cfg.loss_agg_mode)
         _, sum_loss = micro_agg_mode(cfg.loss_agg_mode)
         selected = data.select(batch_keys=keys)
@@ -225,7 +236,8 @@ class ActorRolloutRefWorker(RolloutRole, Worker):
                 for k, v in metrics.items():
                     history.setdefault(k, []).append(v)
         skip = ("loss", "update_ok", "padding_fraction")
-        out = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if k not in skip}
+        out = {(k if k.startswith("rollout_corr/") else f"actor/{k}"): sum(v) / len(v)
+               for k, v in history.items() if k not in skip}
         out["perf/padding_fraction/update_actor"] = sum(history["padding_fraction"]) / len(history["padding_fraction"])
         out["actor/nonfinite_skipped"] = sum(history.get("nonfinite_skipped", []))  # a count, not a mean
         out["actor/num_updates"] = float(len(history.get("lr", [])))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, make_kl_controller
+from hybridflow.algorithms.rollout_correction import apply_rollout_correction
 from hybridflow.algorithms.seqlen_balance import balance_batch, balance_parts, measure_imbalance
 from hybridflow.config.load import to_dict
 from hybridflow.config.schema import HybridFlowConfig
@@ -101,6 +102,9 @@ def skips_old_log_prob(cfg: HybridFlowConfig) -> bool:
     """Whether the step skips the separate old-log-prob pass (also what launch.plan counts)."""
     a = cfg.actor_rollout_ref
     mode = str(a.recompute_old_log_prob).lower()
+    rc = cfg.algorithm.rollout_correction  # bypass: old is the rollout's; decoupled IS: old is the proximal anchor
+    if rc.bypass_mode or rc.rollout_is is not None:
+        return bool(rc.bypass_mode)
     if mode in ("true", "1"):
         return False
     if mode in ("false", "0"):
@@ -273,6 +277,8 @@ class RayPPOTrainer:
             if "rollout_log_probs" in batch.batch:
                 batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
             batch.meta_info["old_log_prob_from_update"] = True
+        # algorithm.rollout_correction: bypass (old := rollout) or the decoupled IS weights, and their metrics
+        metrics.update(apply_rollout_correction(batch, self.cfg.algorithm.rollout_correction))
         if self.use_ref:
             with timer("ref", timings):
                 batch.union(self.ref.compute_ref_log_prob(batch))
