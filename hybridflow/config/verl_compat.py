@@ -102,6 +102,16 @@ RULES: tuple[Rule, ...] = (
          "actor_rollout_ref.rollout.multi_turn.enable=true uses the default ToolAgentLoop"),
     Rule("actor_rollout_ref.rollout.agent.custom_async_server", REFUSED, "a custom async server is " + NOT_YET,
          "drop it: actor_rollout_ref.rollout.mode=async serves from the trainer's own vLLM engines"),
+    # ---- rollout correction: the IS weights and bypass mode are schema keys (algorithm.rollout_correction.*)
+    Rule("algorithm.rollout_correction.rollout_rs", REFUSED, "rejection sampling (verl's rollout_rs) is " + NOT_YET,
+         "algorithm.rollout_correction.rollout_is=token or sequence (truncated IS weights)", ignore_values=("none",)),
+    Rule("algorithm.rollout_correction.rollout_rs_threshold", REFUSED,
+         "rejection sampling (verl's rollout_rs) is " + NOT_YET, "drop it", ignore_values=("none",)),
+    Rule("algorithm.rollout_correction.rollout_is_batch_normalize", REFUSED,
+         "normalising the IS weights to mean 1 is " + NOT_YET, "drop it", ignore_values=("false",)),
+    Rule("algorithm.rollout_correction.loss_type", REFUSED,
+         "bypass mode's REINFORCE loss is " + NOT_YET + "; bypass mode uses the PPO clip (verl's ppo_clip)",
+         "drop it", ignore_values=("ppo_clip",)),
     Rule("data.return_raw_chat", IGNORED,
          "the dataset always keeps each row's raw chat (raw_prompt) next to its token ids"),
 )

@@ -8,6 +8,7 @@ worker exists, so a bad config costs seconds, not a cluster start. Pure: reads c
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 from hybridflow.config import checks
@@ -151,6 +152,7 @@ def validate(cfg: HybridFlowConfig) -> None:
     get_adv_estimator(cfg.algorithm.adv_estimator)
     _validate_loss_names(cfg)
     _validate_old_log_prob(cfg)
+    _validate_rollout_correction(cfg)
     from hybridflow.rollout.base import ENGINES
 
     if a.rollout.name not in ENGINES:
@@ -281,6 +283,40 @@ def _validate_old_log_prob(cfg: HybridFlowConfig) -> None:
         raise ValueError("actor_rollout_ref.recompute_old_log_prob=false with algorithm.use_kl_in_reward=true needs "
                          "the rollout's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true, or "
                          "recompute_old_log_prob=auto")
+
+
+def _validate_rollout_correction(cfg: HybridFlowConfig) -> None:
+    """algorithm.rollout_correction (hybridflow/algorithms/rollout_correction.py): names, the cap, and the
+    log-probs it reads. Checked even while off, so a typo does not wait for the switch."""
+    from hybridflow.algorithms import require_choice
+    from hybridflow.algorithms.rollout_correction import ROLLOUT_IS_LEVELS
+
+    rc, a, key = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref, "algorithm.rollout_correction"
+    if rc.rollout_is is not None:
+        require_choice(f"{key}.rollout_is", rc.rollout_is, ROLLOUT_IS_LEVELS)
+    t = rc.rollout_is_threshold
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not t > 1:
+        raise ValueError(f"{key}.rollout_is_threshold={t!r} must be a finite number > 1 (the cap on pi_old / "
+                         "pi_rollout; 1 or less would scale down even on-policy tokens); verl's default is 2.0")
+    if rc.rollout_is is None and not rc.bypass_mode:
+        return
+    if not a.rollout.calculate_log_probs:
+        on = f"{key}.rollout_is={rc.rollout_is}" if rc.rollout_is is not None else f"{key}.bypass_mode=true"
+        raise ValueError(f"{on} reads the rollout's log-probs, but actor_rollout_ref.rollout.calculate_log_probs=false "
+                         "leaves none: set it to true")
+    recompute = str(a.recompute_old_log_prob).lower()
+    if rc.bypass_mode and rc.rollout_is is not None:
+        raise ValueError(f"{key}.bypass_mode=true with {key}.rollout_is={rc.rollout_is}: in bypass mode the PPO ratio "
+                         "pi_theta / pi_rollout is already the importance ratio, and a weight on top would count it "
+                         f"twice (verl's loss_type=ppo_clip applies none): set {key}.rollout_is=null, or "
+                         "bypass_mode=false for truncated IS weights against a recomputed pi_old")
+    if rc.bypass_mode and recompute in ("true", "1"):
+        raise ValueError(f"{key}.bypass_mode=true uses the rollout's log-probs as old_log_prob, which "
+                         "actor_rollout_ref.recompute_old_log_prob=true asks to recompute: set it to auto")
+    if rc.rollout_is is not None and recompute in ("false", "0"):
+        raise ValueError(f"{key}.rollout_is={rc.rollout_is} weighs by pi_old / pi_rollout, which needs the recomputed "
+                         "pi_old that actor_rollout_ref.recompute_old_log_prob=false skips: set it to auto, or use "
+                         f"{key}.bypass_mode=true with rollout_is=null")
 
 
 def _validate_verl_shared_keys(cfg: HybridFlowConfig) -> None:
