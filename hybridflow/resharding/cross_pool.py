@@ -39,11 +39,17 @@ Execution:
             (sync rank T) broadcasts (R, t_g, vLLM's vocab pad, bucket_bytes); every rank then builds
             the same plan. The trainer never imports vLLM; the rollout never builds a Megatron model.
 
-Measured (this 2-core CPU box, torch 2.13 gloo over loopback, `measure_bandwidth`, shared with other jobs):
-link 2.6-4.0 GiB/s for 16-256 MiB messages. Transport alone (tests/reshard_scripts/bench_cross_pool.py,
-synthetic 18M-parameter model, fp32, 64 MiB buckets): see ARCHITECTURE.md "Across pools" and
-tests/test_cross_pool_sync.py for the tiny-model runs; numbers are repeated in the report of the
-change that added this module.
+Measured (this 2-core CPU box shared with other jobs, torch 2.13 gloo over loopback, fp32). Link
+(`measure_bandwidth`, one 64 MiB message, best of 3): 1.3-2.6 GiB/s between two processes (2.6-4.0 GiB/s
+for 16-256 MiB on a quiet moment). Transport alone (tests/reshard_scripts/cross_pool_transport.py bench: a
+25.8M-parameter synthetic model, 103.6 MB, 64 MiB buckets, best of 3 syncs after a warm-up):
+  t=2 -> t_g=1, R=1   103.6 MB per rollout rank, link 2.34 GiB/s: bound 41 ms, sync 63 ms (1.5x)
+  t=1 -> t_g=2, R=2    51.8 MB per rollout rank (the one trainer sends 103.6 MB: bound 41 ms), sync 37-43 ms
+  t=2,p=2 -> t_g=2     51.8 MB per rollout rank from 4 senders, link 2.16 GiB/s: bound 22 ms, sync 37-54 ms
+                       (6 processes on 2 cores: loopback copies need the CPU the other ranks use)
+End to end with the tiny model (0.45 MB, 64 KiB buckets, tests/test_cross_pool_sync.py): 0.02-0.05 s per sync
+including vLLM's CPU reload, against a byte bound of 0.13-0.3 ms: at that size the time is per-message and
+reload overhead (~25 messages, 6-10 buckets), not bandwidth.
 """
 
 from __future__ import annotations
@@ -500,7 +506,10 @@ class TrainerSender:
         if dist.get_world_size(train_group) != dims.world_size:
             raise CrossPoolError(f"training world has {dist.get_world_size(train_group)} ranks, dims {dims} "
                                  f"{dims.world_size}")
-        named = megatron_named_params(model_chunks)
+        chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        if len(chunks) != dims.vpp:
+            raise LayoutError(f"TrainerSender got {len(chunks)} model chunks per rank, dims.vpp={dims.vpp}")
+        named = megatron_named_params(chunks)
         local_specs, _ = param_specs(
             named, tp=dims.tp, pp_stage=dims.coords(rank)["pp"], vocab_size=read_hf_facts(hf_config).vocab_size,
             gen_vocab_pad_multiple=1,  # vLLM's padding comes from the rollout side in the handshake
@@ -516,7 +525,7 @@ class TrainerSender:
         plan = handshake(group, num_train=dims.world_size, trainer=manifest)
 
         def shards():
-            return {n: p.detach() for n, p in megatron_named_params(model_chunks)}
+            return {n: p.detach() for n, p in megatron_named_params(chunks)}
 
         return cls(plan, rank, shards, group)
 
