@@ -8,7 +8,8 @@ One 2-step PPO run of conftest's PLAIN_JOB in server mode, validating (greedy) b
   sampled tokens equal the trainer's old-log-prob pass within fp32 noise: the tokens trained are the tokens the
   engine sampled, with the weights the trainer holds;
 - the batch mode's metrics are all there, plus the server's, and every sample carries the weight version of the
-  step that sampled it.
+  step that sampled it; the rollout correction (token TIS) runs end to end with weights of 1 on these on-policy
+  samples.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def server_run(warm_assets, tmp_path_factory):
     _run(_cmd("ppo_tiny_cpu.yaml", root / "run", f"actor_rollout_ref.model.path={warm_assets['model']}",
               f"data.train_files=[{warm_assets['train']}]", *PLAIN_JOB, "actor_rollout_ref.rollout.mode=async",
               "actor_rollout_ref.recompute_old_log_prob=true",  # the old-log-prob pass gives the max diff too
+              # the rollout correction (decoupled, token TIS) end to end: on policy its weights must be ~1
+              "algorithm.rollout_correction.rollout_is=token",
               f"data.val_files=[{warm_assets['test']}]", "trainer.val_before_train=true",
               f"trainer.validation_data_dir={root / 'val_dump'}", f"trainer.rollout_data_dir={root / 'samples'}"),
          root / "log")
@@ -72,5 +75,9 @@ def test_server_mode_trains_on_what_the_engine_sampled_through_the_same_stages(s
         assert r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"]
         assert r["rollout/server_requests"] == 8 * 4  # 8 prompts x rollout.n=4, one turn each
         assert r["rollout/aborted_requests"] == 0
+        # on-policy samples: pi_old / pi_rollout = 1 up to fp32 noise, so no weight is truncated
+        assert r["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert 1.0 - 1e-3 < r["rollout_corr/rollout_is_max"] < 1.0 + 1e-3
+        assert r["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
     samples = [json.loads(x) for x in (server_run / "samples" / "step_1.jsonl").read_text().splitlines()]
     assert len(samples) == 32 and len({tuple(s["response_ids"]) for s in samples}) > 8  # sampled, not greedy
