@@ -418,6 +418,19 @@ INTERPOLATED_DEFAULTS = {
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """Rollout and training overlapping on separate pools (verl's `async_training.*` where the meaning matches).
+    The rollout runs on a pool of its own: trainer.role_pools.rollout (ARCHITECTURE.md "Across pools")."""
+
+    # sync: generate, then train (on split pools: the rollout pool waits while the trainer works). one_step_off_policy:
+    # the batch of step k+1 is generated while step k trains, by the weights of step k (one version behind).
+    mode: str = "sync"
+    trigger_parameter_sync_step: int = 1  # verl's: weights go to the rollout pool every this many updates
+    staleness_threshold: float = 0.0  # verl's (fully_async, not supported yet): only 0 is accepted
+    partial_rollout: bool = False  # verl's (fully_async, not supported yet)
+
+
+@dataclass
 class HybridFlowConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -426,3 +439,4 @@ class HybridFlowConfig:
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

@@ -24,10 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRESETS = ("colocate", "split", "standalone")
-ROLES = ("actor_rollout", "ref", "critic", "reward_model")
+# rollout: vLLM on a pool of its own (asynchronous RL, async_training.*); without it the rollout lives in the actor's
+# processes (the 3D-HybridEngine).
+ROLES = ("actor_rollout", "ref", "critic", "reward_model", "rollout")
 # The config key of each role's Megatron mesh, for error messages.
 MESH_KEYS = {"actor_rollout": "actor_rollout_ref.actor.megatron", "ref": "actor_rollout_ref.ref.megatron",
-             "critic": "critic.megatron", "reward_model": "reward_model.megatron"}
+             "critic": "critic.megatron", "reward_model": "reward_model.megatron",
+             "rollout": "actor_rollout_ref.rollout.tensor_model_parallel_size"}
 _SPLIT = {"actor_rollout": "actor_ref", "ref": "actor_ref", "critic": "critic_rm", "reward_model": "critic_rm"}
 MIGRATION = ("trainer.placement=split follows the HybridFlow paper: actor+rollout+ref on one pool ('actor_ref', the "
              "ref in the actor's processes), critic+reward model on another ('critic_rm'); for a pool per role, "

@@ -118,7 +118,8 @@ def job_roles(cfg: HybridFlowConfig) -> list[str]:
 
     critic = cfg.critic.enable if cfg.critic.enable is not None else needs_critic(cfg.algorithm.adv_estimator)
     return (["actor_rollout"] + (["ref"] if needs_ref(cfg) else []) + (["critic"] if critic else [])
-            + (["reward_model"] if cfg.reward_model.enable else []))
+            + (["reward_model"] if cfg.reward_model.enable else [])
+            + (["rollout"] if "rollout" in (cfg.trainer.role_pools or {}) else []))
 
 
 def placement_of(cfg: HybridFlowConfig):
@@ -162,13 +163,23 @@ def validate(cfg: HybridFlowConfig) -> None:
     dims = _role_dims("actor_rollout_ref.actor.megatron", a.actor.megatron, place.world("actor_rollout"), actor_hf,
                       place.describe("actor_rollout"))
     try:
-        GenerationDims(a.rollout.tensor_model_parallel_size).validate(dims, ModelShape.from_hf_config(actor_hf))
+        if "rollout" in place.role_pools:  # a pool of its own: t_g against the model and that pool (async_checks)
+            from hybridflow.resharding.cross_pool import RolloutLayout
+
+            if place.world("rollout") % a.rollout.tensor_model_parallel_size == 0:
+                RolloutLayout(ranks=place.world("rollout"), tp=a.rollout.tensor_model_parallel_size).validate(
+                    ModelShape.from_hf_config(actor_hf))
+        else:
+            GenerationDims(a.rollout.tensor_model_parallel_size).validate(dims, ModelShape.from_hf_config(actor_hf))
     except LayoutError as e:
         raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size="
                          f"{a.rollout.tensor_model_parallel_size}: {e}") from None
     from hybridflow.config.server_mode_checks import validate_server_mode
 
     validate_server_mode(a.rollout, place.world("actor_rollout"))
+    from hybridflow.config.async_checks import validate_async
+
+    validate_async(cfg, place)
     _validate_ref(cfg, place, actor_hf)
     checks.counts(cfg, ("data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_epochs",
                         *(f"actor_rollout_ref.{k}" for k in ("actor.ppo_mini_batch_size",
