@@ -27,6 +27,7 @@ from megatron_workers.engine import agg_count, as_config, build_role_engine, ini
 from megatron_workers.offload import Offloader, make_offloader
 from megatron_workers.perf import UpdatePerf
 from megatron_workers.rollout_role import RolloutRole
+from megatron_workers.weight_sync_role import WeightSenderRole
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def response_logprobs(logits: torch.Tensor, micro: dict, response_length: int, r
     return logprob, entropy
 
 
-class ActorRolloutRefWorker(RolloutRole, Worker):
+class ActorRolloutRefWorker(RolloutRole, WeightSenderRole, Worker):
     def __init__(self, config, role: str):
         super().__init__()
         if role not in ROLES:

@@ -72,8 +72,15 @@ def build_groups(cfg: HybridFlowConfig, place=None, teardown=None, reserved: dic
     a = cfg.actor_rollout_ref
     place = place or placement_of(cfg)
     separate_ref = "ref" in place.role_pools and not place.shares_actor_pool("ref")
+    split_rollout = "rollout" in place.role_pools  # vLLM on a pool of its own: the actor's processes hold none
     actor_role = "actor_rollout_ref" if "ref" in place.role_pools and not separate_ref else "actor_rollout"
+    if split_rollout:
+        actor_role = actor_role.replace("_rollout", "")
     specs = {"actor_rollout": (ActorRolloutRefWorker, (to_dict(a), actor_role), actor_role)}
+    if split_rollout:
+        from megatron_workers.rollout_worker import RolloutWorker
+
+        specs["rollout"] = (RolloutWorker, (to_dict(a),), "rollout")
     if separate_ref:
         specs["ref"] = (ActorRolloutRefWorker, (to_dict(a), "ref"), "ref")
     if cfg.critic.enable:
@@ -104,7 +111,21 @@ def build_groups(cfg: HybridFlowConfig, place=None, teardown=None, reserved: dic
     for group in groups.values():
         group.refresh_rendezvous()
         group.init_model()
-    return {name: groups.get(name) for name in ("actor_rollout", "ref", "critic", "reward_model")}
+    if split_rollout:
+        connect_weight_sync(groups["actor_rollout"], groups["rollout"], cfg.trainer.fault.pg_timeout_s)
+    return {name: groups.get(name) for name in ("actor_rollout", "ref", "critic", "reward_model", "rollout")}
+
+
+def connect_weight_sync(actor, rollout, timeout_s: float) -> None:
+    """The cross-pool sync group (hybridflow/resharding/cross_pool.py): the actor's rank 0 serves its store on a port
+    probed there; both groups join together (the handshake is collective over both pools)."""
+    host, port = actor._probe_rendezvous()
+    sending = actor.init_weight_sync.remote(host, port, rollout.world_size, timeout_s)
+    receiving = rollout.init_weight_sync.remote(host, port, actor.world_size, timeout_s)
+    sending.get()
+    expected = receiving.get()
+    log.info("weight sync across pools: actor %d ranks -> rollout %d ranks via %s:%d, %.0f bytes per rollout rank",
+             actor.world_size, rollout.world_size, host, port, expected[0]["expected_bytes"])
 
 
 def fault_env(cfg: HybridFlowConfig) -> dict[str, str]:
@@ -227,7 +248,8 @@ def _make_trainer(cfg: HybridFlowConfig, place, teardown, tokenizer, dataset, va
     groups = build_groups(cfg, place, teardown, reserved)
     sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed, shuffle=cfg.data.shuffle)
     trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
-                            ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset)
+                            ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset,
+                            rollout=groups["rollout"])
     trainer.n_devices = place.n_devices  # every pool's processes: verl's perf/throughput divides by them
     trainer.n_params = count_params(cfg.actor_rollout_ref.model.path)
     return trainer
