@@ -118,10 +118,12 @@ def skips_old_log_prob(cfg: HybridFlowConfig) -> bool:
 
 class RayPPOTrainer:
     def __init__(self, cfg: HybridFlowConfig, tokenizer, train_dataset, sampler, reward_fn, actor_rollout_ref,
-                 critic=None, ref=None, reward_model=None, val_dataset=None):
+                 critic=None, ref=None, reward_model=None, val_dataset=None, rollout=None):
         """`ref`: the reference group on its own pool; None means the actor group hosts it (its pool).
         `reward_model`: a RewardModelWorker group, or None for rule/user scores only.
-        `val_dataset`: an RLDataset of data.val_files, or None when no validation is configured."""
+        `val_dataset`: an RLDataset of data.val_files, or None when no validation is configured.
+        `rollout`: a RolloutWorker group on a pool of its own (trainer.role_pools.rollout), or None: the rollout
+        runs in the actor's processes."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.dataset = train_dataset
@@ -142,6 +144,11 @@ class RayPPOTrainer:
         self.last_val_step: int | None = None  # the step whose policy was last validated (kept in checkpoints)
         self.global_step = 0
         self.n_params = None
+        self.rollout_group = rollout
+        self.gen_group = rollout if rollout is not None else actor_rollout_ref  # where generate_sequences runs
+        self.one_step = cfg.async_training.mode == "one_step_off_policy"
+        self._prefetched = None  # one_step_off_policy: (batch, its generation in flight, sampler state before it)
+        self.weight_version = 0  # of the weights on the rollout pool: the step they serve in the synchronous loop
         self.agent_rollout = None  # server mode (rollout.mode=async): gen through agent loops, same stages after
         if cfg.actor_rollout_ref.rollout.mode == "async":
             from hybridflow.trainer.agent_rollout import AgentRollout
@@ -163,18 +170,19 @@ class RayPPOTrainer:
             return int(self.cfg.trainer.total_training_steps)
         return len(self.sampler) * self.cfg.trainer.total_epochs
 
-    def next_batch(self) -> DataProto:
-        """The next prompts; called after global_step is advanced, so the trace names the step they train."""
+    def next_batch(self, step: int | None = None) -> DataProto:
+        """The prompts of `step` (default: global_step, advanced before the call), which the trace names."""
         from hybridflow.data.rl_dataset import collate
 
+        step = self.global_step if step is None else step
         idx = self.sampler.next_batch()
         # The data trace lets a resumed run be checked against an uninterrupted one (same positions).
         with open(self.run_dir / "data_trace.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.global_step, "indices": [int(i) for i in idx]}) + "\n")
+            f.write(json.dumps({"step": step, "indices": [int(i) for i in idx]}) + "\n")
         rows = [self.dataset[i] for i in idx]
         tensors, objects = collate(rows, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length)
         objects["uid"] = np.array([str(uuid.uuid4()) for _ in rows], dtype=object)
-        return DataProto.from_dict(tensors, objects, {"global_step": self.global_step})
+        return DataProto.from_dict(tensors, objects, {"global_step": step})
 
     # ---------------------------------------------------------------- stages
     def response_texts(self, batch: DataProto) -> list[str]:
@@ -234,21 +242,58 @@ class RayPPOTrainer:
 
     def generate(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         """The gen stage: one generate over the batch (rollout.mode=sync), or agent loops over the rollout server
-        (async); either way the verl-shaped rollout batch (hybridflow/rollout/base.py) and gen's metrics."""
+        (async); either way the verl-shaped rollout batch (hybridflow/rollout/base.py) and gen's metrics.
+        one_step_off_policy: the generation launched during the previous step, and the next one launched now."""
         if self.agent_rollout is not None:
             return self.agent_rollout.generate(batch)
-        gen = self.arr.generate_sequences(batch)
+        gen = self.gen_group.generate_sequences(batch)
         return gen, M.reduce_worker_metrics(gen.meta_info.pop("metrics", {}))
+
+    def sync_rollout_weights(self) -> dict[str, float]:
+        """The actor's current weights to the rollout pool, shard to shard (both groups at once); they then serve
+        step global_step + 1."""
+        version = self.global_step + 1
+        sending = self.arr.send_weights.remote()
+        receiving = self.rollout_group.receive_weights.remote(version)
+        sent, received = sending.get(), receiving.get()
+        self.weight_version = version
+        metrics = M.reduce_worker_metrics(received)
+        metrics.update(M.reduce_worker_metrics(sent))
+        return metrics
+
+    def _launch_generation(self, step: int) -> None:
+        """one_step_off_policy: draw step's prompts and start their generation on the rollout pool without waiting
+        (it runs while the current step trains). The sampler's state before the draw is kept for checkpoints: a
+        checkpoint of step k must not skip the prompts of k+1 that were drawn but not trained."""
+        state = self.sampler.state_dict()
+        batch = self.next_batch(step)
+        batch.meta_info["global_step"] = step
+        self._prefetched = (batch, self.gen_group.generate_sequences.remote(batch), state)
+
+    def _take_generation(self) -> tuple[DataProto, DataProto]:
+        batch, pending, _ = self._prefetched
+        self._prefetched = None
+        return batch, pending.get()
 
     def step(self) -> dict:
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
         t_step = time.perf_counter()
-        batch = self.next_batch()
-        batch.meta_info["global_step"] = self.global_step
-        with timer("gen", timings):
-            batch, gen_metrics = self.generate(batch)
-        metrics.update(gen_metrics)
+        if self.one_step:
+            if self._prefetched is None:  # the first step (or the first after a resume): nothing in flight yet
+                self._launch_generation(self.global_step)
+            with timer("gen", timings):  # only the wait for what ran during the previous step
+                _, gen = self._take_generation()
+            metrics.update(M.reduce_worker_metrics(gen.meta_info.pop("metrics", {})))
+            if self.global_step < self.total_steps():
+                self._launch_generation(self.global_step + 1)  # overlaps everything below, on the rollout pool
+            batch = gen
+        else:
+            batch = self.next_batch()
+            batch.meta_info["global_step"] = self.global_step
+            with timer("gen", timings):
+                batch, gen_metrics = self.generate(batch)
+            metrics.update(gen_metrics)
         batch.meta_info["rollout_n"] = self.cfg.actor_rollout_ref.rollout.n  # mini-batches count prompts
         if self.rm is not None:
             with timer("rm", timings):
@@ -298,6 +343,10 @@ class RayPPOTrainer:
             with timer("update_actor", timings):
                 out = self.arr.update_actor(batch)
                 metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
+        sync_every = self.cfg.async_training.trigger_parameter_sync_step
+        if self.rollout_group is not None and self.global_step % sync_every == 0:
+            with timer("weight_sync", timings):  # one_step: waits for the next batch's generation to finish first
+                metrics.update(self.sync_rollout_weights())
         step_time = time.perf_counter() - t_step
         # forward-only stages report their padding share in meta_info (one key per stage, see the workers)
         metrics.update({k: float(v) for k, v in batch.meta_info.items() if k.startswith("perf/padding_fraction/")})
@@ -374,8 +423,8 @@ class RayPPOTrainer:
         if self.agent_rollout is not None:  # requests one by one: no padding to the group's size
             out, _ = self.agent_rollout.generate(DataProto.from_dict(tensors, objects, meta))
             return out
-        padded, pad = DataProto.from_dict(tensors, objects, meta).pad_to_divisor(self.arr.world_size)
-        out = self.arr.generate_sequences(padded)
+        padded, pad = DataProto.from_dict(tensors, objects, meta).pad_to_divisor(self.gen_group.world_size)
+        out = self.gen_group.generate_sequences(padded)
         out.meta_info.pop("metrics", None)  # the reshard/gen timings describe training rollouts
         return out.unpad(pad * meta["n"])
 
@@ -406,7 +455,10 @@ class RayPPOTrainer:
             fault_point("ckpt_after_actor", self.global_step)
             if self.use_critic:
                 self.critic.save_checkpoint(str(staging / "critic"), {"global_step": self.global_step})
-        state = {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
+        # one_step_off_policy: the next step's prompts are drawn already; the checkpoint keeps the sampler from before
+        # that draw, so a resume draws (and regenerates) them again: never skipped, never trained twice.
+        sampler_state = self._prefetched[2] if self._prefetched is not None else self.sampler.state_dict()
+        state = {"global_step": self.global_step, "sampler": sampler_state,
                  "kl_coef": float(self.kl_ctrl.value), "torch_rng": torch.get_rng_state().tolist(),
                  "last_val_step": self.last_val_step}
         self.last_saved = self.ckpt.commit(self.global_step, staging, state)
@@ -447,6 +499,12 @@ class RayPPOTrainer:
         total = self.total_steps()
         with stage("resume"):
             self.maybe_resume()
+        if self.rollout_group is not None:  # the rollout pool starts from the model path: give it the actor's weights
+            with stage("weight_sync"):
+                m = self.sync_rollout_weights()
+            log.info("weights to the rollout pool: %.3f s, %.0f bytes per rollout rank (planned %.0f)",
+                     m["weight_sync/recv_s"], m["weight_sync/bytes_recv_per_rank"],
+                     m["weight_sync/expected_bytes_per_rank"])
         # Steps after the checkpoint were done by a run that died; they are redone, so their trace goes
         # (as their metrics rows do, in Tracking).
         prepare_jsonl(self.run_dir / "data_trace.jsonl", self.global_step)
