@@ -183,3 +183,24 @@ def test_bench_vs_trl_arithmetic_and_ceiling_by_hand(monkeypatch):
     bf16 = B.bound(row, {"hidden": 64, "ffn": 128, "vocab": 100}, "bf16")
     assert bf16["gemm_dtype"] == "bf16" and bf16["gemm_gflops_2_threads"] == 50.0
     assert bf16["ratio_if_our_training_ran_at_gemm_rate"] == round(33.0 / (6.0 + round(train_gflop, 1) / 50.0), 3)
+
+
+def test_async_ablation_row_metrics_by_hand():
+    """launch.benchmark --ablation async: tokens/s, idle shares and staleness from metric rows (numbers by hand)."""
+    from launch.benchmark.async_ablation import row_metrics
+
+    rows = [{"step": 3, "perf/time_per_step": 2.0, "perf/total_num_tokens": 1000, "timing_s/gen": 0.5,
+             "timing_s/weight_sync": 0.4, "weight_sync/send_s": 0.1, "rollout/gen_s_per_replica": 1.2,
+             "weight_sync/recv_s": 0.1, "rollout/weight_version": 2, "critic/score/mean": 0.25},
+            {"step": 4, "perf/time_per_step": 2.0, "perf/total_num_tokens": 1400, "timing_s/gen": 0.3,
+             "timing_s/weight_sync": 0.2, "weight_sync/send_s": 0.2, "rollout/gen_s_per_replica": 1.0,
+             "weight_sync/recv_s": 0.1, "rollout/weight_version": 3, "critic/score/mean": 0.5}]
+    split = row_metrics(rows, colocated=False)
+    assert split["tokens_per_s"] == pytest.approx(1200 / 2.0)
+    # rollout busy: mean(1.2 + 0.1, 1.0 + 0.1) = 1.2 of 2.0 s; trainer waits: gen 0.4 + sync beyond sending 0.15
+    assert split["rollout_idle_frac"] == pytest.approx(1 - 1.2 / 2.0)
+    assert split["train_idle_frac"] == pytest.approx((0.4 + 0.15) / 2.0)
+    assert split["staleness_mean"] == 1.0 and split["final_reward"] == 0.5
+    colocated = row_metrics(rows, colocated=True)
+    assert colocated["rollout_idle_frac"] == pytest.approx(1 - 0.4 / 2.0)
+    assert colocated["train_idle_frac"] == pytest.approx(0.4 / 2.0)

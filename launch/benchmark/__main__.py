@@ -21,10 +21,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="also write the result JSON to this file")
     ap.add_argument("--compare", nargs="+", metavar="RESULT", default=None,
                     help="result files (--out, or a benchmark's captured output) to print side by side")
-    ap.add_argument("--ablation", choices=["long_tail", "agent_tools"], default=None,
+    ap.add_argument("--ablation", choices=["long_tail", "agent_tools", "async"], default=None,
                     help="long_tail: the before/after rows on the long-tailed workload (launch/benchmark/long_tail.py);"
                          " agent_tools: 64 agent trajectories with a 50 ms tool, concurrent vs sequential "
-                         "(launch/benchmark/agent_tools.py); no CONFIG")
+                         "(launch/benchmark/agent_tools.py); async: colocated vs split pools, sync vs one step off "
+                         "policy (launch/benchmark/async_ablation.py); no CONFIG")
     args = ap.parse_args(argv)
     if args.ablation and args.config:
         ap.error("--ablation runs its own config (configs/ppo_tiny_cpu.yaml or configs/grpo_agent_tiny_cpu.yaml + the "
@@ -49,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(compare(results))
         return 0
+    if args.ablation == "async":
+        from launch.benchmark.async_ablation import main as async_main
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return async_main(args.warmup if args.warmup != 10 else 2, args.steps if args.steps != 5 else 4, args.out)
     if args.ablation == "agent_tools":
         from launch.benchmark.agent_tools import main as agent_tools_main
 
