@@ -154,7 +154,8 @@ def prepare(out: str | Path, preset: str = "tiny", arch: str = "llama", sft_step
     held_out = test[:EVAL_ROWS]
     with_tool = evaluate(out / "sft_model", held_out, TOOL_FILE)
     without = evaluate(out / "sft_model", held_out, None)
-    result = {"key": key, **info, "sft_success": with_tool["success"], "sft_tool_call_rate": with_tool["tool_call_rate"],
+    result = {"key": key, **info, "sft_success": with_tool["success"],
+              "sft_tool_call_rate": with_tool["tool_call_rate"],
               "no_tool_success": without["success"], "model": str(out / "sft_model"),
               "train": str(out / "data" / "train.parquet"), "test": str(out / "data" / "test.parquet"),
               "tools": str(TOOL_FILE)}
