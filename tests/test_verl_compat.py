@@ -135,7 +135,8 @@ def test_every_listed_line_occurs_in_a_fixture():
     classes = classify_fixture_lines()
     assert classes["refused"] == set(REFUSED) and classes["ignored"] == IGNORED
     keys = {c: {line.split("=", 1)[0] for line in lines} for c, lines in classes.items()}
-    # over the six scripts: 55 distinct keys accepted (rollout.mode=sync is a schema key now), 1 ignored, 7 refused (printed for the record with -s)
+    # over the six scripts: 55 distinct keys accepted (rollout.mode=sync is a schema key now), 1 ignored, 7 refused
+    # (printed for the record with -s)
     print({c: len(k) for c, k in keys.items()})
 
 
