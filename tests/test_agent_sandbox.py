@@ -15,6 +15,9 @@ from hybridflow.agent.tools import load_tools
 from hybridflow.models.tiny import build_tokenizer
 from hybridflow.rollout.server_api import TokenOutput, TurnSampling
 
+# timing: tool timeouts (1.5 s), latency bounds and a per-call overhead bound; they must not share the cores
+pytestmark = pytest.mark.serial
+
 TOOLS = '''
 import socket
 import subprocess

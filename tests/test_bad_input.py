@@ -481,6 +481,7 @@ def test_reward_function_name_that_is_missing_fails_in_validate(files, tmp_path)
         _validate(files, f"custom_reward_function.path={path}", "custom_reward_function.name=score_fn")
 
 
+@pytest.mark.serial  # timing: a 0.5 s limit must end it within 3.5 s
 def test_reward_file_whose_import_hangs_fails_in_validate(files, tmp_path, monkeypatch):
     """A top level that does not return (here: 4 s, standing for forever) is bounded at start."""
     from hybridflow.rewards import user_fn

@@ -13,6 +13,7 @@ sys.path.insert(0, str(REPO / "launch"))
 import sim_cluster  # noqa: E402
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_group_spans_two_nodes():
     from hybridflow.controller.worker import free_port

@@ -471,6 +471,7 @@ def test_unknown_format_version_is_refused():
 
 # ---- optional: through Ray ----------------------------------------------------------------------
 
+@pytest.mark.serial  # starts Ray
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("HYBRIDFLOW_RAY_TESTS") != "1", reason="set HYBRIDFLOW_RAY_TESTS=1 (starts Ray)")
 def test_ray_driver_to_4_workers_and_back():

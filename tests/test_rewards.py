@@ -177,6 +177,7 @@ def test_manager_unknown_source_fails_before_scoring(monkeypatch):
         mgr.score(["a"], ["a", "b"], ["openai/gsm8k"])
 
 
+@pytest.mark.serial  # timing: 0.5 s timeouts, 3 s for all
 def test_user_function_overrides_all_and_failures_stay_per_sample(tmp_path):
     path = _write(tmp_path, (
         "import time\n"
@@ -208,6 +209,7 @@ def test_user_function_overrides_all_and_failures_stay_per_sample(tmp_path):
     assert elapsed < 3.0
 
 
+@pytest.mark.serial  # timing: 0.2 s timeouts, 1.4 s for all
 def test_all_samples_hanging_still_returns():
     mgr = RewardManager(compute_score=lambda *a: time.sleep(60), timeout_s=0.2, num_workers=4)
     start = time.monotonic()

@@ -52,3 +52,23 @@ def test_the_guard_sees_a_fixture_run_and_an_e2e_module():
 
 
 AUDIT = pytest.StashKey[dict]()
+
+
+def test_the_serial_rule_on_stand_in_items():
+    """tests/conftest.py's serial_reason, which `make test` splits the suite by: Ray fixtures, the cluster / fault /
+    serial marks and the e2e / launcher modules make a test serial; a unit or torchrun test may run beside another."""
+    from conftest import serial_reason
+
+    def Item(module, fixtures=(), marks=()):  # noqa: N802  (a stand-in for a collected pytest item)
+        return SimpleNamespace(module=SimpleNamespace(__name__=module), fixturenames=list(fixtures),
+                               get_closest_marker=lambda name: name if name in marks else None)
+
+    assert serial_reason(Item("test_controller_ray", ["tmp_path", "ray_cluster"])) == "fixture ray_cluster"
+    assert serial_reason(Item("test_timeline", ["run", "observed_run"])) == "fixture observed_run"
+    assert serial_reason(Item("test_multinode", marks=["slow", "cluster"])) == "mark cluster"
+    assert serial_reason(Item("test_security", marks=["fault"])) == "mark fault"
+    assert serial_reason(Item("test_rewards", marks=["serial"])) == "mark serial"
+    assert serial_reason(Item("test_e2e_trainer", ["tmp_path"])) == "module test_e2e_trainer"
+    assert serial_reason(Item("test_launch_cluster", ["tmp_path"])) == "module test_launch_cluster"
+    assert serial_reason(Item("test_mcore_parity", ["tmp_path"], marks=["slow"])) is None
+    assert serial_reason(Item("test_protocol", ["tmp_path"])) is None
