@@ -72,6 +72,7 @@ def test_transport_delivers_exact_shards_and_a_send_overlapped_by_an_update(tmp_
         assert 0 < out[s]["sync2"]["snapshot_bytes"]
 
 
+@pytest.mark.serial  # a wall-time bound that a second test on the two cores could break
 def test_a_missing_sender_fails_within_the_timeout_naming_the_message(tmp_path):
     start = time.monotonic()
     out = transport("timeout", tmp_path, T=1, P=1, t_g=1, R=1, timeout=60)
