@@ -191,13 +191,16 @@ def cluster():
 class Launch:
     """The launcher as a subprocess, its stdout read line by line with arrival times."""
 
-    def __init__(self, cluster, args: list[str], entry: list[str], env: dict | None = None):
+    def __init__(self, cluster, args: list[str], entry: list[str], env: dict | None = None,
+                 sigint_ignored: bool = False):
         self.t0 = time.monotonic()
         full_env = {**cluster.env, "PYTHONPATH": str(REPO), **(env or {})}
         full_env.pop("RAY_ADDRESS", None)
+        # sigint_ignored: start it as a script's background job is started (SIGINT ignored, inherited through exec)
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launch.torchrun_ray", "--address", cluster.address, *args, "--", *entry],
-            cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
         self.lines: list[tuple[float, str]] = []
         self.stderr = ""
         self._out = threading.Thread(target=self._read, daemon=True)
@@ -297,25 +300,16 @@ def test_failing_rank_stops_every_node(cluster):
 @pytest.mark.cluster
 @pytest.mark.fault
 def test_sigint_stops_everything(cluster):
-    # KNOWN FLAKE (2026-12-04): late in a full suite on 2 loaded cores the launcher has twice not exited within
-    # 60 s of SIGINT (reproduced on the tree before that stop too, under synthetic load); never when quiet. Until
-    # its cause is found, one stuck attempt is killed and reported, and a second attempt must meet every assertion.
-    for attempt in range(2):
-        job = Launch(cluster, ["--nnodes", "2", "--nproc-per-node", "2", "--timeout", "240"], [str(SCRIPT), "99"])
-        for rank in range(4):  # rank 99 does not exist: all four sleep after the all_reduce
-            job.wait_for(lambda ln, r=rank: f"]:sum=10 rank={r} " in ln, 200)
-        sent = time.monotonic() - job.t0
-        job.proc.send_signal(signal.SIGINT)
-        try:
-            rc = job.wait(60)
-            break
-        except subprocess.TimeoutExpired:
-            if attempt:
-                raise
-            print(f"\nattempt 1: no exit within 60 s of SIGINT; killed. Output:\n{job.text()[-3000:]}")
-            job.proc.kill()
-            job.proc.wait(30)
-            no_leftovers(str(SCRIPT), timeout_s=60)
+    # Started with SIGINT ignored, as a background job of a script starts it (the way this suite is often run):
+    # Python then keeps SIGINT ignored unless the launcher installs its handler itself. Before it did, this test
+    # failed whenever the suite itself ran in the background (it was filed as a flake under load).
+    job = Launch(cluster, ["--nnodes", "2", "--nproc-per-node", "2", "--timeout", "240"], [str(SCRIPT), "99"],
+                 sigint_ignored=True)
+    for rank in range(4):  # rank 99 does not exist: all four sleep after the all_reduce
+        job.wait_for(lambda ln, r=rank: f"]:sum=10 rank={r} " in ln, 200)
+    sent = time.monotonic() - job.t0
+    job.proc.send_signal(signal.SIGINT)
+    rc = job.wait(60)
     print(f"\nSIGINT -> launcher exit: {job.elapsed - sent:.1f} s")
     assert rc == 130, job.text()
     assert job.elapsed - sent <= 30

@@ -245,8 +245,12 @@ def run(spec: LaunchSpec, cwd: str | None = None, environ: dict[str, str] | None
     entry = resolve_entry(spec, cwd, pythonpath)  # a missing script fails before Ray is touched
     connect(spec, pythonpath, timeout_s=min(10.0, spec.start_timeout_s))
     # After ray.init, which installs its own SIGTERM handler (sys.exit): SIGTERM stops the nodes like Ctrl-C.
+    # SIGINT explicitly too: a process started as a background job of a script inherits SIGINT *ignored*, and
+    # Python then keeps it ignored, so Ctrl-C / `kill -INT` would leave the launcher and every node running (this
+    # was the "flake" of test_sigint_stops_everything: the suite had been started in the background).
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     job = Job(spec, entry, cwd, node_env(environ, pythonpath, spec.extra_env), out)
     reason, exit_code, first_node = "", 1, None
     try:
