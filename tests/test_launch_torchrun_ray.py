@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -290,7 +291,10 @@ def test_failing_rank_stops_every_node(cluster):
     assert rc == 1, job.text()
     assert to_exit <= 30, job.text()
     text = job.text()
-    assert "FAILED first: rank 3 (node 1, local rank 1, exit 1)" in text and "injected failure on rank 3" in text
+    # A rank that raises exits 1, or -6 when its gloo threads abort the interpreter's teardown ("terminate called
+    # without an active exception", seen in a quiet full suite): either way it must be named first, with its place.
+    assert re.search(r"FAILED first: rank 3 \(node 1, local rank 1, exit (1|-6)\)", text), text
+    assert "injected failure on rank 3" in text
     # node 0's torchrun was stopped by the launcher; rank 2 was SIGTERMed by node 1's torchrun
     table = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln[:4].strip().isdigit()}
     assert [table[str(r)][4] for r in range(4)] == ["stopped", "stopped", "stopped", "failed"], text
