@@ -99,12 +99,17 @@ def _dp_compute_proto(ctx, args, kwargs):
     return calls
 
 
-def _collect_dp_proto(ctx, outputs):
-    dp = dp_size_of(ctx)
-    by_dp = [None] * dp
+def _collect_per_replica(ctx, outputs):
+    """One output per dp rank, from its is_collect rank, in dp order."""
+    by_dp = [None] * dp_size_of(ctx)
     for coords, out in zip(ctx.mesh, outputs, strict=True):
         if coords.is_collect:
             by_dp[coords.dp_rank] = out
+    return by_dp
+
+
+def _collect_dp_proto(ctx, outputs):
+    by_dp = _collect_per_replica(ctx, outputs)
     if any(o is None for o in by_dp):
         return by_dp  # methods returning nothing (e.g. save) give a list of Nones
     first = by_dp[0]
@@ -124,14 +129,6 @@ def _dp_per_replica(ctx, args, kwargs):
                                 f"rank); argument {i} is not")
     return [(tuple(a[c.dp_rank] for a in args), dict(kwargs)) for c in ctx.mesh]
 
-
-def _collect_per_replica(ctx, outputs):
-    dp = dp_size_of(ctx)
-    by_dp = [None] * dp
-    for coords, out in zip(ctx.mesh, outputs, strict=True):
-        if coords.is_collect:
-            by_dp[coords.dp_rank] = out
-    return by_dp
 
 
 _MODES: dict[str, tuple[Callable, Callable]] = {
