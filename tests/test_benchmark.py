@@ -204,3 +204,14 @@ def test_async_ablation_row_metrics_by_hand():
     colocated = row_metrics(rows, colocated=True)
     assert colocated["rollout_idle_frac"] == pytest.approx(1 - 0.4 / 2.0)
     assert colocated["train_idle_frac"] == pytest.approx(0.4 / 2.0)
+
+
+def test_an_ablation_ends_with_its_json_line_also_written_to_out(tmp_path, capsys):
+    import json
+
+    from launch.benchmark.output import emit
+
+    assert emit("| table |", {"b": 2, "a": 1}, str(tmp_path / "sub" / "r.json")) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["| table |", '{"a": 1, "b": 2}']
+    assert json.loads((tmp_path / "sub" / "r.json").read_text()) == {"a": 1, "b": 2}

@@ -15,11 +15,12 @@ generation_only_s and the summed tool sleep.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
+
+from launch.benchmark.output import emit
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "grpo_agent_tiny_cpu.yaml"
@@ -136,12 +137,8 @@ def main(out: str | None) -> int:
     with tempfile.TemporaryDirectory(prefix="agent_tools_") as d:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         result = run(Path(d))
-    print(f"64 trajectories, one {SLEEP_S * 1000:.0f} ms tool call each: concurrent {result['concurrent_s']:.2f} s, "
-          f"sequential {result['sequential_s']:.2f} s ({result['concurrent_vs_sequential']:.1f}x), generation only "
-          f"{result['generation_only_s']:.2f} s; the sleeps alone sum to {result['tool_sleep_total_s']:.1f} s")
-    line = json.dumps(result, sort_keys=True)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(line + "\n")
-    print(line, flush=True)
-    return 0
+    r = result
+    summary = (f"64 trajectories, one {SLEEP_S * 1000:.0f} ms tool call each: concurrent {r['concurrent_s']:.2f} s, "
+               f"sequential {r['sequential_s']:.2f} s ({r['concurrent_vs_sequential']:.1f}x), generation only "
+               f"{r['generation_only_s']:.2f} s; the sleeps alone sum to {r['tool_sleep_total_s']:.1f} s")
+    return emit(summary, result, out)

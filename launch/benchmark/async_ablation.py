@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from launch.benchmark.long_tail import CONFIG, base_overrides, prepare_assets
+from launch.benchmark.output import emit
 
 REPO = Path(__file__).resolve().parents[2]
 SPLIT = ["trainer.resource_pools.actor=[2]", "trainer.resource_pools.rollout=[2]",
@@ -109,9 +110,4 @@ def render(result: dict) -> str:
 def main(warmup: int, steps: int, out: str | None) -> int:
     out_dir = Path(out).parent if out else Path("runs/benchmark") / f"async-{time.strftime('%Y%m%d-%H%M%S')}"
     result = run(warmup, steps, out_dir)
-    print(render(result))
-    line = json.dumps(result, sort_keys=True)
-    if out:
-        Path(out).write_text(line + "\n")
-    print(line, flush=True)
-    return 0
+    return emit(render(result), result, out)

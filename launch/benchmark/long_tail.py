@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launch.benchmark.output import emit
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/ppo_tiny_cpu.yaml"
 ASSETS = "runs/long_tail_assets"
@@ -231,10 +233,5 @@ def main(warmup: int, steps: int, out: str | None) -> int:
 
     out_dir = Path(out).parent if out else Path("runs/benchmark") / f"long_tail-{time.strftime('%Y%m%d-%H%M%S')}"
     result = run_ablation(warmup, steps, out_dir)
-    print(render(result))
-    line = json.dumps(result, sort_keys=True)
-    if out:
-        Path(out).write_text(line + "\n")
-    print(line, flush=True)
-    return 0
+    return emit(render(result), result, out)
 
