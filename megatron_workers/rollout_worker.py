@@ -57,17 +57,18 @@ class RolloutWorker(Worker):
         layout = RolloutLayout(ranks=self.world_size, tp=self.config.rollout.tensor_model_parallel_size)
         self.receiver = RolloutReceiver.connect(group, layout, self.rank,
                                                 bucket_bytes=self.config.rollout.reshard_bucket_bytes)
+        from megatron_workers.hf_io import read_hf_config
+
+        self.hf_config = read_hf_config(self.config.model.path)  # read once, not at every sync
         return {"expected_bytes": float(self.receiver.plan.expected_recv_bytes(self.rank))}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def receive_weights(self, weight_version: int) -> dict:
         """The training pool's current weights into this rank's engine (collective with `send_weights`)."""
-        from megatron_workers.hf_io import read_hf_config
-
         if self.receiver is None:
             raise RuntimeError("receive_weights before init_weight_sync")
         t = time.perf_counter()
-        stats = self.receiver.receive_into(self.rollout, read_hf_config(self.config.model.path))
+        stats = self.receiver.receive_into(self.rollout, self.hf_config)
         self.weight_version = int(weight_version)
         return {"weight_sync/recv_s": time.perf_counter() - t,
                 "weight_sync/bytes_recv_per_rank": float(stats.bytes),
