@@ -434,16 +434,11 @@ def init_megatron(megatron_cfg, timeout_s: float | None = None):
     """
     if timeout_s is None:
         timeout_s = float(os.environ.get("HYBRIDFLOW_PG_TIMEOUT_S", 300.0))
-    from hybridflow.parallel.dims import LayoutError, ParallelDims
+    from hybridflow.parallel.dims import ParallelDims
     from megatron_workers.parallel_init import init_distributed, init_model_parallel
 
     _, world_size = init_distributed(timeout_s=timeout_s)
-    tp, pp, cp = (megatron_cfg.tensor_model_parallel_size, megatron_cfg.pipeline_model_parallel_size,
-                  megatron_cfg.context_parallel_size)
-    if world_size % (tp * pp * cp):
-        raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
-    dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp), sp=megatron_cfg.sequence_parallel,
-                        vpp=getattr(megatron_cfg, "virtual_pipeline_model_parallel_size", None) or 1)
+    dims = ParallelDims.from_megatron_config(megatron_cfg, world_size)
     init_model_parallel(dims, seed=megatron_cfg.seed, timeout_s=timeout_s)
     return dims
 

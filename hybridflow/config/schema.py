@@ -34,6 +34,14 @@ class OverrideTransformerConfig:
     recompute_method: str | None = None  # uniform | block (full only)
     recompute_num_layers: int | None = None  # full only: 1 .. layers per model chunk
     attention_backend: str = "auto"  # auto (fused SDPA on the local spec) | unfused (megatron's DotProductAttention)
+    # Mixture-of-Experts (ignored for dense models). The router's logits, softmax and top-k run in this dtype
+    # whatever the params' (verl's and NeMo-RL's key): fp32 keeps bf16 training and the rollout routing alike.
+    moe_router_dtype: str = "fp32"  # fp32 | fp64
+    # The load-balancing (aux) loss coefficient: 0 (off, the GRPO default in verl's and NeMo-RL's MoE recipes);
+    # > 0 adds megatron's aux_loss balancing to the actor's loss (reported as actor/moe_aux_loss).
+    moe_aux_loss_coeff: float = 0.0
+    # alltoall (runs on gloo: all_to_all_single is supported there) | allgather
+    moe_token_dispatcher_type: str = "alltoall"
 
 
 @dataclass
@@ -48,6 +56,10 @@ class MegatronConfig:
     # Context parallel needs Transformer Engine's attention on GPU; refused at config time (any value but 1).
     context_parallel_size: int = 1
     sequence_parallel: bool = False
+    # Mixture-of-Experts meshes (Megatron's names, as verl spells them): experts split over ep ranks, each
+    # expert's matrices over etp ranks (null: = tensor_model_parallel_size). ep x etp must divide tp*cp*dp.
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
     # local (megatron's own modules, portable) | transformer_engine (TE modules: fused attention / norms, GPU)
     # | auto (TE when it imports and CUDA is present, local otherwise). The choice is logged at start-up.
     transformer_impl: str = "auto"

@@ -73,11 +73,20 @@ EXTRA_KEYS = {
     "rms_norm_eps": 1e-6,
     "initializer_range": 0.02,
 }
-ARCHS = ("llama", "qwen2")  # qwen2 = llama + bias on q/k/v projections
+ARCHS = ("llama", "qwen2", *("qwen3_moe", "qwen2_moe", "mixtral"))  # qwen2 = llama + bias on q/k/v projections
+# Mixture-of-Experts archs: the attention of qwen3 (q/k RMSNorm per head), qwen2 (q/k/v bias) and llama (mixtral),
+# with every layer's MLP replaced by `num_experts` SwiGLU experts of `moe_intermediate_size`, top-k routed.
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+# 8 experts, top-2: the issue's tiny MoE; experts narrower than the dense MLP, as in real MoE models.
+MOE_KEYS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,  # qwen2_moe only: its always-on shared expert (sigmoid gate)
+            "norm_topk_prob": None}  # None: the arch's own (qwen3_moe True, qwen2_moe False; mixtral always True)
+MOE_ONLY = {"qwen3_moe": (), "qwen2_moe": ("shared_expert_intermediate_size",), "mixtral": ()}
 # vLLM's Qwen2 ignores config.head_dim and sizes attention as hidden_size // heads, so a Qwen2
 # needs head_dim == hidden_size // heads. For the tiny preset that means 2 heads of 32 (and
 # 2 kv heads, so TP=2 still divides): the price is no GQA in tiny qwen2 (tiny4l qwen2 keeps it).
-ARCH_PRESET_CHANGES = {("qwen2", "tiny"): dict(num_attention_heads=2, num_key_value_heads=2, head_dim=None)}
+ARCH_PRESET_CHANGES = {(a, "tiny"): dict(num_attention_heads=2, num_key_value_heads=2, head_dim=None)
+                       for a in ("qwen2", "qwen2_moe")}
 
 
 def build_tokenizer():
@@ -115,7 +124,8 @@ def _model_config(arch: str, preset: str, vocab_size: int, tok, overrides: dict)
         raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    settings = {**EXTRA_KEYS, **PRESETS[preset], **ARCH_PRESET_CHANGES.get((arch, preset), {})}
+    moe = dict(MOE_KEYS) if arch in MOE_ARCHS else {}
+    settings = {**EXTRA_KEYS, **PRESETS[preset], **ARCH_PRESET_CHANGES.get((arch, preset), {}), **moe}
     unknown = sorted(set(overrides) - set(settings))
     if unknown:
         raise ValueError(f"unknown override(s) {unknown}; allowed: {sorted(settings)}")
@@ -131,8 +141,8 @@ def _model_config(arch: str, preset: str, vocab_size: int, tok, overrides: dict)
     if settings["head_dim"] not in VLLM_CPU_HEAD_SIZES:
         raise ValueError(f"head_dim={settings['head_dim']} (hidden_size={hidden} / heads={heads}) is not one vLLM's "
                          f"CPU attention supports: {VLLM_CPU_HEAD_SIZES}; pass head_dim explicitly")
-    if arch == "qwen2" and settings["head_dim"] * heads != hidden:
-        raise ValueError(f"qwen2 needs head_dim == hidden_size // num_attention_heads (vLLM's Qwen2 derives it), got "
+    if arch in ("qwen2", "qwen2_moe") and settings["head_dim"] * heads != hidden:
+        raise ValueError(f"{arch} needs head_dim == hidden_size // num_attention_heads (vLLM's Qwen2 derives it), got "
                          f"head_dim={settings['head_dim']}, hidden_size={hidden}, heads={heads}")
     common = dict(
         vocab_size=vocab_size,
@@ -143,6 +153,8 @@ def _model_config(arch: str, preset: str, vocab_size: int, tok, overrides: dict)
         dtype="float32",
         **settings,
     )
+    if arch in MOE_ARCHS:
+        return _moe_config(arch, common)
     if arch == "llama":
         from transformers import LlamaConfig
 
@@ -150,6 +162,35 @@ def _model_config(arch: str, preset: str, vocab_size: int, tok, overrides: dict)
     from transformers import Qwen2Config
 
     return Qwen2Config(use_sliding_window=False, **common)
+
+
+def _moe_config(arch: str, common: dict):
+    """The HF config of a tiny MoE model: each arch spells the expert keys its own way."""
+    moe = {k: common.pop(k) for k in MOE_KEYS}
+    for key in set(MOE_KEYS) - {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"}:
+        if key not in MOE_ONLY[arch]:
+            moe.pop(key)
+    dense_ffn = common.pop("intermediate_size")  # no dense MLP in these models; Qwen3-MoE's config keeps the key
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        if moe.pop("norm_topk_prob") is False:
+            raise ValueError("mixtral always renormalises its top-k weights: norm_topk_prob=false is not mixtral")
+        return MixtralConfig(num_local_experts=moe.pop("num_experts"),
+                             intermediate_size=moe.pop("moe_intermediate_size"), **moe, **common)
+    if moe["norm_topk_prob"] is None:
+        moe["norm_topk_prob"] = arch == "qwen3_moe"
+    sparse_everywhere = dict(decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(attention_bias=False, use_sliding_window=False, intermediate_size=dense_ffn,
+                              **sparse_everywhere, **moe, **common)
+    from transformers import Qwen2MoeConfig
+
+    # the shared expert's width doubles as the config's intermediate_size, which Qwen2-MoE reads for nothing else
+    return Qwen2MoeConfig(use_sliding_window=False, intermediate_size=moe["shared_expert_intermediate_size"],
+                          qkv_bias=True, **sparse_everywhere, **moe, **common)
 
 
 def save_tiny_model(out_dir, preset: str = "tiny", arch: str = "llama", seed: int = 0, **overrides) -> pathlib.Path:

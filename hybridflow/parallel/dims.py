@@ -25,22 +25,41 @@ class ModelShape:
     hidden_size: int
     num_heads: int
     num_kv_heads: int
-    ffn_hidden_size: int
+    ffn_hidden_size: int  # the dense MLP's width; for an MoE model, one expert's
     vocab_size: int
+    num_experts: int = 0  # 0: dense
+    moe_topk: int = 0
+    shared_expert_ffn: int = 0  # Qwen2-MoE's always-on shared expert; 0: none
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelShape:
         """Accepts a transformers config object or a plain dict from config.json."""
         get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
         heads = get("num_attention_heads")
+        experts = moe_num_experts(cfg)
         return cls(
             num_layers=get("num_hidden_layers"),
             hidden_size=get("hidden_size"),
             num_heads=heads,
             num_kv_heads=get("num_key_value_heads") or heads,
-            ffn_hidden_size=get("intermediate_size"),
+            ffn_hidden_size=(get("moe_intermediate_size") or get("intermediate_size")) if experts
+            else get("intermediate_size"),
             vocab_size=get("vocab_size"),
+            num_experts=experts,
+            moe_topk=int(get("num_experts_per_tok") or 0) if experts else 0,
+            shared_expert_ffn=int(get("shared_expert_intermediate_size") or 0) if experts else 0,
         )
+
+
+def moe_num_experts(cfg) -> int:
+    """Routed experts of an HF config, 0 for a dense model. The arches spell it num_experts (Qwen2/3-MoE) or
+    num_local_experts (Mixtral; transformers 5 also writes Qwen3-MoE's config.json that way)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    return int(get("num_experts") or get("num_local_experts") or 0)
 
 
 def _check_divides(what: str, n: int, by_name: str, by: int) -> None:
@@ -54,6 +73,10 @@ class ParallelDims:
 
     Rank order follows Megatron's default 'tp-cp-ep-dp-pp': tp varies fastest,
     pp slowest. `coords(rank)` is the single implementation of that order.
+
+    MoE layers have a mesh of their own over the same ranks (Megatron's expert groups): expert tensor parallel
+    etp (None: = tp, Megatron's default), expert parallel ep, and expert data parallel edp = tp*cp*dp / (etp*ep),
+    ordered etp-ep-edp-pp (`expert_coords`). Attention and everything outside the experts keep tp/cp/dp.
     """
 
     tp: int = 1
@@ -64,10 +87,32 @@ class ParallelDims:
     # virtual pipeline: model chunks per PP rank (megatron's interleaved schedule); 1: off. Not a mesh
     # dimension (no ranks of its own): it changes which layers a stage holds (see chunk_layer_offsets).
     vpp: int = 1
+    ep: int = 1  # expert_model_parallel_size
+    etp: int | None = None  # expert_tensor_parallel_size; None: tp
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @classmethod
+    def from_megatron_config(cls, m, world_size: int) -> ParallelDims:
+        """The layout a `megatron` config section (MegatronConfig, or anything with its keys) asks for on
+        `world_size` ranks: dp is what tp*pp*cp leave. Not validated: call .validate(world_size, model)."""
+        tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+        if min(tp, pp, cp) < 1 or world_size % (tp * pp * cp):
+            raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp), sp=m.sequence_parallel,
+                   vpp=getattr(m, "virtual_pipeline_model_parallel_size", None) or 1,
+                   ep=getattr(m, "expert_model_parallel_size", 1) or 1,
+                   etp=getattr(m, "expert_tensor_parallel_size", None))
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        return (self.tp * self.cp * self.dp) // (self.expert_tp * self.ep)
 
     def validate(self, world_size: int | None = None, model: ModelShape | None = None) -> ParallelDims:
         for name in ("tp", "pp", "dp", "cp"):
@@ -84,16 +129,51 @@ class ParallelDims:
         if self.vpp > 1 and self.pp < 2:
             raise LayoutError(f"virtual_pipeline_model_parallel_size={self.vpp} interleaves pipeline stages: it "
                               f"needs pipeline_model_parallel_size >= 2 (got {self.pp})")
+        self._validate_experts(model)
         if model is not None:
             _check_divides("num_attention_heads", model.num_heads, "tp", self.tp)
             _check_divides("num_key_value_heads", model.num_kv_heads, "tp", self.tp)
-            _check_divides("intermediate_size", model.ffn_hidden_size, "tp", self.tp)
+            if not model.is_moe:
+                _check_divides("intermediate_size", model.ffn_hidden_size, "tp", self.tp)
             _check_divides("num_hidden_layers", model.num_layers, "pp", self.pp)
             per_stage = model.num_layers // self.pp
             if per_stage % self.vpp:
                 raise LayoutError(f"virtual_pipeline_model_parallel_size={self.vpp} does not divide the layers per "
                                   f"pipeline stage ({model.num_layers} layers / pp={self.pp} = {per_stage})")
         return self
+
+    def _validate_experts(self, model: ModelShape | None) -> None:
+        """The expert mesh (ep, etp) against the world and the model: the one place these rules live."""
+        ep_key, etp_key = "expert_model_parallel_size", "expert_tensor_parallel_size"
+        if self.ep < 1 or self.expert_tp < 1:
+            raise LayoutError(f"{ep_key}={self.ep} and {etp_key}={self.expert_tp} must be >= 1")
+        inner = self.tp * self.cp * self.dp  # the ranks of one pipeline stage, which the expert mesh re-slices
+        if inner % (self.ep * self.expert_tp):
+            raise LayoutError(f"{ep_key} x {etp_key} = {self.ep} x {self.expert_tp} = {self.ep * self.expert_tp} does "
+                              f"not divide the ranks of one pipeline stage, tp*cp*dp = {self.tp}*{self.cp}*{self.dp} "
+                              f"= {inner} (world {self.world_size} / pp {self.pp})")
+        if model is None:
+            return
+        if not model.is_moe:
+            if self.ep > 1 or self.etp not in (None, self.tp):
+                raise LayoutError(f"{ep_key}={self.ep}, {etp_key}={self.etp}: the model is dense (no num_experts "
+                                  "in its config); expert parallelism needs an MoE model")
+            return
+        _check_divides("num_experts", model.num_experts, ep_key, self.ep)
+        _check_divides("moe_intermediate_size", model.ffn_hidden_size, etp_key, self.expert_tp)
+        if model.shared_expert_ffn:
+            _check_divides("shared_expert_intermediate_size", model.shared_expert_ffn, "tp", self.tp)
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """(etp, ep, edp, pp) coordinates of a global rank in the expert mesh: etp fastest (Megatron's
+        expert order tp-ep-dp-pp, with tp = etp)."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} outside world of size {self.world_size}")
+        inner = self.tp * self.cp * self.dp
+        pp, rest = divmod(rank, inner)
+        etp = rest % self.expert_tp
+        rest //= self.expert_tp
+        return {"etp": etp, "ep": rest % self.ep, "edp": rest // self.ep, "pp": pp}
 
     def layers_per_chunk(self, num_layers: int) -> int:
         """Transformer layers in one model chunk (one PP stage without VPP)."""

@@ -61,8 +61,7 @@ def _role_dims(key: str, m, world: int, hf_config: dict, pool: str | None = None
                     "not keep: it saves no memory here. Use attention_backend=unfused with it, or full recompute.",
                     key)
     try:
-        dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel,
-                            vpp=m.virtual_pipeline_model_parallel_size or 1).validate(world, model)
+        dims = ParallelDims.from_megatron_config(m, world).validate(world, model)
         check_recompute(f"{key}.override_transformer_config", o.recompute_granularity, o.recompute_method,
                         o.recompute_num_layers, dims, model)
     except LayoutError as e:

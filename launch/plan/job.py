@@ -138,8 +138,7 @@ def _dims(key: str, m: MegatronConfig, world: int, shape: Shape) -> ParallelDims
         raise PlanInputError(f"{key}: tp*pp*cp = {tp * pp * cp} does not divide trainer.nnodes*n_gpus_per_node "
                              f"= {world}")
     try:
-        return ParallelDims(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), sp=m.sequence_parallel,
-                            vpp=m.virtual_pipeline_model_parallel_size or 1).validate(world, shape.model_shape)
+        return ParallelDims.from_megatron_config(m, world).validate(world, shape.model_shape)
     except LayoutError as e:
         raise PlanInputError(f"{key}: {e} (model {shape.name})") from None
 
