@@ -24,6 +24,11 @@ How the patches stay narrow:
   param all-gather over its bf16 and fp32 (norm) buffers, so bf16 training
   scrambled every parameter on its first step. The buffer module's
   synchronous collectives run one by one instead.
+- MoE without Transformer Engine. Not about CUDA either: moe_utils imports
+  its TE kernels in a try block but then tests `te_general_gemm is not None`
+  in the router's GEMM, a name the failed import never bound (NameError on the
+  first MoE forward, wherever TE is missing). The missing names are bound to
+  None, which is what that test expects.
 - The sequence-parallel norm. This one is not about CUDA: the local layer
   spec falls back to `WrappedTorchNorm` whenever apex is missing (the GPU box
   has no apex either), and that wrapper refuses sequence parallel although a
@@ -72,12 +77,14 @@ def apply_cpu_compat() -> list[str]:
     if not _state["norm_fix"]:
         _state["norm_fix"] = True
         _patch_sequence_parallel_torch_norm()
+        _patch_moe_names_without_te()
     if not _state["cuda_fixes"] and not torch.cuda.is_available():
         _state["cuda_fixes"] = True
         _patch_cuda_device_requests()
         _patch_rng_helpers()
         _patch_scoped_tensor_methods()
         _patch_gloo_mixed_dtype_coalescing()
+        _patch_moe_split_sizes_to_host()
     return applied_patches
 
 
@@ -86,6 +93,45 @@ def _import_or_none(name: str):
         return importlib.import_module(name)
     except Exception:  # noqa: BLE001 - a missing or broken optional module just means "no patch"
         return None
+
+
+_MOE_TE_NAMES = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute")
+
+
+def _patch_moe_names_without_te() -> None:
+    """moe_utils.py: `if te_general_gemm is not None` in RouterGatingLinearFunction.forward
+    -> NameError: name 'te_general_gemm' is not defined (megatron-core 0.16.1 without transformer_engine)."""
+    module = _import_or_none("megatron.core.transformer.moe.moe_utils")
+    if module is None or getattr(module, "HAVE_TE", True):
+        return
+    missing = [n for n in _MOE_TE_NAMES if not hasattr(module, n)]
+    for name in missing:
+        setattr(module, name, None)
+    if missing:
+        applied_patches.append("moe-without-te:megatron.core.transformer.moe.moe_utils")
+
+
+def _patch_moe_split_sizes_to_host() -> None:
+    """token_dispatcher.py: the alltoall dispatcher turns its split sizes into host numpy arrays with
+    maybe_move_tensor_to_cpu(..., as_numpy=True), which converts only CUDA tensors; on the CPU they stay tensors
+    and all_to_all_single refuses them (TypeError: all_to_all_single(): incompatible function arguments) at
+    expert_model_parallel_size > 1. Here a CPU tensor is converted as a CUDA one would be."""
+    module = _import_or_none("megatron.core.transformer.moe.token_dispatcher")
+    original = getattr(module, "maybe_move_tensor_to_cpu", None)
+    if original is None or getattr(original, "_hybridflow_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._hybridflow_cpu = True
+    module.maybe_move_tensor_to_cpu = to_host
+    applied_patches.append("moe-split-sizes:megatron.core.transformer.moe.token_dispatcher")
 
 
 # ---------------------------------------------------------------------------
@@ -124,9 +170,35 @@ class _CpuCudaView(types.ModuleType):
         self.manual_seed = lambda seed: torch.manual_seed(seed)
         self.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
         self.random = types.SimpleNamespace(get_rng_state=self.get_rng_state)
+        # MoE's alltoall dispatcher copies its split sizes to the host on a side stream and waits on an event;
+        # on the CPU there is one stream and nothing to wait for.
+        self.Stream = _CpuStream
+        self.current_stream = _CpuStream.current
+        self.stream = lambda s=None: contextlib.nullcontext()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
+
+
+class _CpuStream:
+    """A CUDA stream on a machine with none: every wait and event is already complete."""
+
+    _current: _CpuStream | None = None
+
+    @classmethod
+    def current(cls, device=None) -> _CpuStream:
+        if cls._current is None:
+            cls._current = cls()
+        return cls._current
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return types.SimpleNamespace(synchronize=lambda: None, wait=lambda *a: None)
+
+    def synchronize(self) -> None:
+        pass
 
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn")
@@ -184,6 +256,18 @@ _CUDA_DEVICE_MODULES = {
     "megatron.core.dist_checkpointing.strategies.async_utils": "checkpoint async flags on current_device",
     # tensor_parallel/random.py: CUDA RNG get/set inside the RNG tracker (see _patch_rng_helpers)
     "megatron.core.tensor_parallel.random": "RNG tracker uses the CUDA generator",
+    # MoE (measured with the tiny qwen3_moe/qwen2_moe/mixtral models):
+    # token_dispatcher.py: MoEAlltoAllTokenDispatcher.__init__ -> torch.cuda.Stream()
+    #   -> RuntimeError: torch.cuda.Stream requires CUDA support
+    "megatron.core.transformer.moe.token_dispatcher": "alltoall dispatcher's D2H side stream",
+    # router.py: router weight / aux-loss tensors on torch.cuda.current_device()
+    "megatron.core.transformer.moe.router": "router tensors on current_device",
+    # experts.py: expert weights on current_device when not initialised on the CPU
+    "megatron.core.transformer.moe.experts": "expert weights on current_device",
+    # moe_utils.py: the aux-loss tracker's values on cuda; record_stream on the current stream
+    "megatron.core.transformer.moe.moe_utils": "aux-loss tracker on cuda",
+    # shared_experts.py: the overlap stream (only with moe_shared_expert_overlap)
+    "megatron.core.transformer.moe.shared_experts": "shared-expert overlap stream",
 }
 
 

@@ -135,9 +135,13 @@ class _SliceReader:
         self._handles.clear()
 
 
-def _tp_coords() -> tuple[int, int]:
+def _tp_coords(expert: bool = False) -> tuple[int, int]:
+    """(rank, size) in the group that splits a parameter: tp, or etp for an expert's weights."""
     from megatron.core import parallel_state
 
+    if expert:
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
@@ -150,7 +154,6 @@ def load_hf_into_mcore(model_chunks, hf_dir, hf_config=None) -> dict:
     hf_dir = Path(hf_dir)
     hf_config = hf_config if hf_config is not None else read_hf_config(hf_dir)
     chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
-    tp_rank, tp_size = _tp_coords()
 
     params = [(name, p) for chunk in chunks for name, p in hf_mapping.global_named_parameters(chunk)]
     needed = {hf for name, _ in params for hf in hf_mapping.describe(name, hf_config).hf_names}
@@ -160,6 +163,7 @@ def load_hf_into_mcore(model_chunks, hf_dir, hf_config=None) -> dict:
     try:
         with torch.no_grad():
             for name, param in params:
+                tp_rank, tp_size = _tp_coords(hf_mapping.is_expert(name))
                 shard = hf_mapping.mcore_shard_from_hf(name, read, hf_config, tp_rank, tp_size)
                 if tuple(shard.shape) != tuple(param.shape):
                     raise CheckpointError(f"{hf_dir}: {name} from HF has shape {tuple(shard.shape)}, the Megatron "
@@ -173,25 +177,48 @@ def load_hf_into_mcore(model_chunks, hf_dir, hf_config=None) -> dict:
 # --------------------------------------------------------------------------- writing
 
 
-def _gather_tp(param: torch.Tensor) -> torch.Tensor:
+def _gather_tp(param: torch.Tensor, expert: bool = False) -> torch.Tensor:
     from megatron.core import parallel_state
 
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    _, tp_size = _tp_coords(expert)
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
+    group = (parallel_state.get_expert_tensor_parallel_group() if expert
+             else parallel_state.get_tensor_model_parallel_group())
     shards = [torch.empty_like(param) for _ in range(tp_size)]
-    dist.all_gather(shards, param.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(shards, param.detach().contiguous(), group=group)
     return hf_mapping.gather_to_full(shards, param)
 
 
+def _gather_experts(name: str, full: torch.Tensor, chunk) -> list[tuple[str, torch.Tensor]]:
+    """(global name, tensor) of this expert weight on every EP rank: rank k's local expert j is global expert
+    k * E/ep + j, the same j on every rank, so one all-gather per local weight (all EP ranks iterate alike)."""
+    from megatron.core import parallel_state
+
+    config = hf_mapping.unwrap(chunk).config
+    ep = config.expert_model_parallel_size
+    if ep == 1:
+        return [(name, full)]
+    local = config.num_moe_experts // ep
+    parts = [torch.empty_like(full) for _ in range(ep)]
+    dist.all_gather(parts, full.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+    offset = hf_mapping.expert_offset(chunk)
+    local_name = hf_mapping.global_to_local_name(name, 0, offset)
+    return [(hf_mapping.local_to_global_name(local_name, 0, k * local), part) for k, part in enumerate(parts)]
+
+
 def _stage_hf_tensors(chunks, hf_config, keep: bool) -> list[tuple[str, torch.Tensor]]:
-    """This stage's HF tensors; every TP rank joins the all-gathers, only `keep` ranks convert and keep them."""
+    """This stage's HF tensors; every TP (and EP) rank joins the all-gathers, only `keep` ranks convert and keep
+    them."""
     out = []
     for chunk in chunks:
         for name, param in hf_mapping.global_named_parameters(chunk):
-            full = _gather_tp(param)
+            expert = hf_mapping.is_expert(name)
+            full = _gather_tp(param, expert)
+            named = _gather_experts(name, full, chunk) if expert else [(name, full)]
             if keep:
-                out.extend((hf, t.detach().cpu()) for hf, t in hf_mapping.mcore_full_to_hf(name, full, hf_config))
+                for n, f in named:
+                    out.extend((hf, t.detach().cpu()) for hf, t in hf_mapping.mcore_full_to_hf(n, f, hf_config))
     return out
 
 

@@ -16,6 +16,13 @@ written down exactly once:
   - word embeddings / output layer: vocab rows, padded to `padded_vocab_size(vocab, t)`
     and split on dim 0. Padding rows are zero and are dropped on the way back.
   - norms: replicated.
+- MoE layers (qwen3_moe, qwen2_moe, mixtral): `mlp.router.weight` is HF's router (`mlp.gate` /
+  mixtral's `block_sparse_moe.gate`), replicated. Expert j of a rank is `mlp.experts.local_experts.{j}`
+  in Megatron's own names; the *global* names here carry the global expert index e = ep_rank * E/ep + j
+  (`local_to_global_name`), which maps to HF's `experts.{e}`. An expert's fc1/fc2 are laid out like the
+  dense MLP's but split over the expert-tensor-parallel group (etp), not tp. Qwen2-MoE's shared expert
+  is a dense MLP (`mlp.shared_experts.*`, split over tp) plus its sigmoid gate `gate_weight` (replicated).
+  Qwen3's per-head q/k norms are `self_attention.{q,k}_layernorm` (replicated).
 - vLLM (Llama-style models): qkv_proj = [q_r; k_r; v_r] per rank, gate_up_proj =
   [gate_r; up_r], o_proj/down_proj split on the input dim, embed/lm_head vocab
   split. vLLM's `reload_weights` accepts HF names and full tensors and does the
@@ -41,6 +48,7 @@ from megatron_workers.model_builder import HFModelFacts, padded_vocab_size, read
 Reader = Callable[[str, "int | None", "int | None", "int | None"], torch.Tensor]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 # kinds of layout
 REPLICATED, ROW, QKV, FC1, VOCAB = "replicated", "row", "qkv", "fc1", "vocab"
@@ -64,6 +72,25 @@ _LAYER_TABLE: dict[str, tuple[tuple[str, ...], str, str, int | None]] = {
         ("post_attention_layernorm.weight",), REPLICATED, "post_attention_layernorm.weight", None),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), FC1, "mlp.gate_up_proj.weight", 0),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), ROW, "mlp.down_proj.weight", 1),
+    # Qwen3: RMSNorm over each head's q and k
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), REPLICATED, "self_attn.q_norm.weight", None),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), REPLICATED, "self_attn.k_norm.weight", None),
+    # Qwen2-MoE's shared expert: a dense SwiGLU MLP split over tp, and its sigmoid gate
+    "mlp.shared_experts.linear_fc1.weight": (
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), FC1,
+        "mlp.shared_expert.gate_up_proj.weight", 0),
+    "mlp.shared_experts.linear_fc2.weight": (
+        ("mlp.shared_expert.down_proj.weight",), ROW, "mlp.shared_expert.down_proj.weight", 1),
+    "mlp.shared_experts.gate_weight": (("mlp.shared_expert_gate.weight",), REPLICATED, "mlp.shared_expert_gate.weight",
+                                       None),
+}
+# The MoE block's HF prefix, router and per-expert tensor names (fc1 = [gate; up], fc2 = down) per model type.
+# vLLM fuses each layer's experts into FusedMoE's w13_weight [E, 2*ffn, hidden] and w2_weight [E, hidden, ffn]
+# and loads them from these HF names.
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj"), "down_proj"),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj"), "down_proj"),
+    "mixtral": ("block_sparse_moe", ("w1", "w3"), "w2"),
 }
 _GLOBAL_TABLE: dict[str, tuple[tuple[str, ...], str, str, int | None]] = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), VOCAB, "model.embed_tokens.weight", 0),
@@ -88,6 +115,10 @@ class ParamMapping:
     kind: str  # replicated | row | qkv | fc1 | vocab
     vllm_name: str  # vLLM's (fused) parameter name
     vllm_tp_dim: int | None  # dim vLLM splits under TP; None = replicated
+    # row | fc1: the full size of the split dim (fc1: per half), i.e. the MLP's, an expert's or the shared expert's
+    # width, or the attention's heads x head_dim; 0 for the other kinds
+    split_size: int = 0
+    expert: int | None = None  # the global expert index of an expert's fc1/fc2 (split over etp, not tp)
 
 
 def describe(mcore_name: str, hf_config) -> ParamMapping:
@@ -96,13 +127,20 @@ def describe(mcore_name: str, hf_config) -> ParamMapping:
     m = _LAYER.match(mcore_name)
     if m:
         layer, suffix = int(m.group(1)), m.group(2)
-        if suffix not in _LAYER_TABLE:
-            raise MappingError(f"no HF mapping for Megatron parameter {mcore_name!r} (suffix {suffix!r})")
         if layer >= facts.num_layers:
             raise MappingError(f"{mcore_name!r}: layer {layer} >= num_hidden_layers={facts.num_layers}")
-        hf, kind, vllm, vdim = _LAYER_TABLE[suffix]
         prefix = f"model.layers.{layer}."
-        return ParamMapping(mcore_name, tuple(prefix + h for h in hf), kind, prefix + vllm, vdim)
+        if facts.is_moe and (suffix == "mlp.router.weight" or _EXPERT.match(suffix)):
+            return _describe_moe(mcore_name, suffix, prefix, facts)
+        if suffix not in _LAYER_TABLE or (facts.is_moe and suffix.startswith("mlp.linear_fc")):
+            raise MappingError(f"no HF mapping for Megatron parameter {mcore_name!r} (suffix {suffix!r}) of a "
+                               f"{facts.model_type} model")
+        hf, kind, vllm, vdim = _LAYER_TABLE[suffix]
+        split = {"self_attention.linear_proj.weight": facts.num_heads * facts.head_dim,
+                 "mlp.linear_fc1.weight": facts.ffn_hidden_size, "mlp.linear_fc2.weight": facts.ffn_hidden_size,
+                 "mlp.shared_experts.linear_fc1.weight": facts.shared_expert_ffn,
+                 "mlp.shared_experts.linear_fc2.weight": facts.shared_expert_ffn}.get(suffix, 0)
+        return ParamMapping(mcore_name, tuple(prefix + h for h in hf), kind, prefix + vllm, vdim, split)
     if mcore_name not in _GLOBAL_TABLE:
         raise MappingError(f"no HF mapping for Megatron parameter {mcore_name!r}")
     hf, kind, vllm, vdim = _GLOBAL_TABLE[mcore_name]
@@ -111,12 +149,30 @@ def describe(mcore_name: str, hf_config) -> ParamMapping:
     return ParamMapping(mcore_name, hf, kind, vllm, vdim)
 
 
+def _describe_moe(mcore_name: str, suffix: str, prefix: str, facts: HFModelFacts) -> ParamMapping:
+    block, (gate, up), down = _MOE_NAMES[facts.model_type]
+    if suffix == "mlp.router.weight":
+        name = f"{prefix}{block}.gate.weight"
+        return ParamMapping(mcore_name, (name,), REPLICATED, name, None)
+    e, which = _EXPERT.match(suffix).groups()
+    e = int(e)
+    if e >= facts.num_experts:
+        raise MappingError(f"{mcore_name!r}: expert {e} >= num_experts={facts.num_experts}")
+    base = f"{prefix}{block}.experts.{e}."
+    if which == "linear_fc1":
+        return ParamMapping(mcore_name, (f"{base}{gate}.weight", f"{base}{up}.weight"), FC1,
+                            f"{prefix}{block}.experts.w13_weight", 1, facts.moe_ffn_hidden_size, e)
+    return ParamMapping(mcore_name, (f"{base}{down}.weight",), ROW, f"{prefix}{block}.experts.w2_weight", 2,
+                        facts.moe_ffn_hidden_size, e)
+
+
 def hf_tp_partition_dim(hf_name: str) -> int | None:
     """The dim Megatron and vLLM split this HF tensor on under TP (None: replicated)."""
-    if hf_name.endswith(("o_proj.weight", "down_proj.weight")):
+    if hf_name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
         return 1
-    if hf_name.endswith(("norm.weight",)):
-        return None
+    if hf_name.endswith(("norm.weight", "mlp.gate.weight", "block_sparse_moe.gate.weight",
+                         "shared_expert_gate.weight")):
+        return None  # norms, MoE routers and the shared expert's gate are replicated
     return 0
 
 
@@ -135,14 +191,43 @@ def layer_offset(model_chunk) -> int:
     return int(get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None)))
 
 
-def local_to_global_name(name: str, offset: int) -> str:
+def _shift(name: str, layers: int, experts: int) -> str:
     m = _LAYER.match(name)
-    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
+    if not m:
+        return name
+    suffix = m.group(2)
+    e = _EXPERT.match(suffix)
+    if e:
+        suffix = f"mlp.experts.local_experts.{int(e.group(1)) + experts}.{e.group(2)}.weight"
+    return f"decoder.layers.{int(m.group(1)) + layers}.{suffix}"
 
 
-def global_to_local_name(name: str, offset: int) -> str:
-    m = _LAYER.match(name)
-    return f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else name
+def local_to_global_name(name: str, offset: int, expert_offset: int = 0) -> str:
+    """A chunk's own parameter name -> its global name: layer index + `offset`, expert index + `expert_offset`
+    (this EP rank's first expert)."""
+    return _shift(name, offset, expert_offset)
+
+
+def global_to_local_name(name: str, offset: int, expert_offset: int = 0) -> str:
+    return _shift(name, -offset, -expert_offset)
+
+
+def expert_offset(model_chunk) -> int:
+    """Global index of this rank's first expert (0 for a dense model or without expert parallelism)."""
+    config = unwrap(model_chunk).config
+    experts = getattr(config, "num_moe_experts", None) or 0
+    ep = getattr(config, "expert_model_parallel_size", 1) or 1
+    if not experts or ep == 1:
+        return 0
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank() * (experts // ep)
+
+
+def is_expert(mcore_name: str) -> bool:
+    """An expert's weight (split over the expert-tensor-parallel group, one EP rank's own)."""
+    m = _LAYER.match(mcore_name)
+    return bool(m and _EXPERT.match(m.group(2)))
 
 
 def unwrap(model_chunk):
@@ -155,9 +240,9 @@ def unwrap(model_chunk):
 def global_named_parameters(model_chunk) -> Iterable[tuple[str, torch.nn.Parameter]]:
     """(global Megatron name, parameter) for one chunk; skips TE's _extra_state and buffers."""
     model = unwrap(model_chunk)
-    offset = layer_offset(model)
+    offset, experts = layer_offset(model), expert_offset(model)
     for name, param in model.named_parameters():
-        yield local_to_global_name(name, offset), param
+        yield local_to_global_name(name, offset, experts), param
 
 
 # --------------------------------------------------------------------------- HF -> Megatron
@@ -177,11 +262,10 @@ def mcore_shard_from_hf(mcore_name: str, read: Reader, hf_config, tp_rank: int =
     if mp.kind == REPLICATED:
         return read(mp.hf_names[0], None, None, None)
     if mp.kind == ROW:
-        full_in = f.num_heads * f.head_dim if "o_proj" in mp.hf_names[0] else f.ffn_hidden_size
-        n = full_in // t
+        n = mp.split_size // t
         return read(mp.hf_names[0], 1, r * n, (r + 1) * n)
     if mp.kind == FC1:
-        n = f.ffn_hidden_size // t
+        n = mp.split_size // t
         gate = read(mp.hf_names[0], 0, r * n, (r + 1) * n)
         up = read(mp.hf_names[1], 0, r * n, (r + 1) * n)
         return torch.cat([gate, up], dim=0)
@@ -225,9 +309,21 @@ def mcore_param_names(hf_config, include_output_layer: bool | None = None, te_sp
     if include_output_layer is None:
         include_output_layer = not f.tie_word_embeddings
     norm1 = "self_attention.linear_qkv.layer_norm_weight" if te_spec else "input_layernorm.weight"
-    norm2 = "mlp.linear_fc1.layer_norm_weight" if te_spec else "pre_mlp_layernorm.weight"
-    per_layer = [norm1, "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", norm2,
-                 "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    # TE fuses the MLP's norm into linear_fc1; an MoE layer keeps it apart (its router reads the normed input)
+    norm2 = "mlp.linear_fc1.layer_norm_weight" if te_spec and not f.is_moe else "pre_mlp_layernorm.weight"
+    if f.is_moe:
+        mlp = ["mlp.router.weight"]
+        mlp += [f"mlp.experts.local_experts.{e}.{w}.weight" for e in range(f.num_experts)
+                for w in ("linear_fc1", "linear_fc2")]
+        if f.shared_expert_ffn:
+            mlp += ["mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight",
+                    "mlp.shared_experts.linear_fc2.weight"]
+    else:
+        mlp = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    attention = ["self_attention.linear_qkv.weight", "self_attention.linear_proj.weight"]
+    if f.qk_norm:
+        attention += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    per_layer = [norm1, *attention, norm2, *mlp]
     if f.qkv_bias:
         per_layer.insert(2, "self_attention.linear_qkv.bias")
     names = ["embedding.word_embeddings.weight"]

@@ -1,4 +1,5 @@
-"""Build a Megatron-Core GPTModel from a Hugging Face causal-LM config (llama, mistral, qwen2).
+"""Build a Megatron-Core GPTModel from a Hugging Face causal-LM config (llama, mistral, qwen2, and the MoE
+qwen3_moe, qwen2_moe, mixtral).
 
 Everything here is about *what* model to build; parallel layout numbers come
 from `ParallelDims`, and CPU-specific megatron fixes live in `cpu_compat`.
@@ -19,7 +20,21 @@ import torch.nn.functional as F
 from hybridflow.parallel.dims import ModelShape, ParallelDims
 
 # model_type -> the HF architecture class name we map weights for
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                         "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                         "mixtral": "MixtralForCausalLM"}
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# MoE families whose router Megatron's softmax top-k cannot express (or whose other parts we do not map): named,
+# so the error says what is missing rather than just "unsupported".
+UNSUPPORTED_ROUTERS = {
+    "deepseek_v2": "DeepSeek's grouped routing (n_group/topk_group) and multi-latent attention",
+    "deepseek_v3": "DeepSeek's grouped sigmoid routing with an expert-score bias (n_group/topk_group) and "
+                   "multi-latent attention",
+    "glm4_moe": "GLM-4.5's sigmoid routing with an expert-score bias (n_group/topk_group)",
+    "qwen3_next": "Qwen3-Next's hybrid linear attention",
+}
+MOE_ROUTER_DTYPES = ("fp32", "fp64")
+MOE_DISPATCHERS = ("alltoall", "allgather")
 
 # Megatron-LM's convention: the vocab is padded so every TP shard has a multiple of 128 rows.
 VOCAB_PAD_MULTIPLE = 128
@@ -61,6 +76,18 @@ class HFModelFacts:
     qkv_bias: bool
     tie_word_embeddings: bool
     initializer_range: float
+    # MoE (num_experts 0: dense). moe_ffn_hidden_size: one expert's width; shared_expert_ffn: Qwen2-MoE's
+    # always-on shared expert (0: none), gated by sigmoid(x . shared_expert_gate).
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    shared_expert_ffn: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities (Mixtral always; Qwen by config)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def _rope_theta(cfg) -> float:
@@ -81,6 +108,9 @@ def read_hf_facts(cfg) -> HFModelFacts:
     model_type = _get(cfg, "model_type")
     architectures = _get(cfg, "architectures") or []
     supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
+    if model_type in UNSUPPORTED_ROUTERS:
+        raise UnsupportedModelError(f"model_type={model_type!r} is not supported: {UNSUPPORTED_ROUTERS[model_type]} "
+                                    f"is not mapped onto Megatron's MoE here; supported: {supported}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"model_type={model_type!r} is not supported; supported: {supported}")
     bad_arch = [a for a in architectures if a != SUPPORTED_MODEL_TYPES[model_type]]
@@ -103,6 +133,7 @@ def read_hf_facts(cfg) -> HFModelFacts:
             stacklevel=3,
         )
     return HFModelFacts(
+        **(_moe_facts(cfg, model_type) if model_type in MOE_MODEL_TYPES else {}),
         model_type=model_type,
         num_layers=_get(cfg, "num_hidden_layers"),
         hidden_size=hidden,
@@ -114,10 +145,80 @@ def read_hf_facts(cfg) -> HFModelFacts:
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(cfg),
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
-        qkv_bias=model_type == "qwen2",  # Qwen2 has q/k/v biases (o_proj none); llama/mistral none
+        # Qwen2 (and Qwen2-MoE) have q/k/v biases (o_proj none); llama/mistral/mixtral/qwen3 none
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(_get(cfg, "qkv_bias", True))),
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
         initializer_range=float(_get(cfg, "initializer_range", 0.02)),
     )
+
+
+def _moe_facts(cfg, model_type: str) -> dict:
+    """The MoE part of HFModelFacts, with every layer sparse (the layouts mapped here)."""
+    from hybridflow.parallel.dims import moe_num_experts
+
+    experts, topk = moe_num_experts(cfg), int(_get(cfg, "num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= topk <= experts:
+        raise UnsupportedModelError(f"{model_type}: num_experts={experts}, num_experts_per_tok={topk}: needs "
+                                    "1 <= num_experts_per_tok <= num_experts")
+    if model_type != "mixtral":
+        step, dense_layers = _get(cfg, "decoder_sparse_step", 1), _get(cfg, "mlp_only_layers") or []
+        if step != 1 or dense_layers:
+            raise UnsupportedModelError(f"{model_type} with decoder_sparse_step={step}, mlp_only_layers="
+                                        f"{dense_layers}: only models whose every layer is sparse are mapped")
+    norm = True if model_type == "mixtral" else bool(_get(cfg, "norm_topk_prob", model_type == "qwen3_moe"))
+    return dict(
+        num_experts=experts,
+        moe_topk=topk,
+        moe_ffn_hidden_size=int(_get(cfg, "intermediate_size") if model_type == "mixtral"
+                                else _get(cfg, "moe_intermediate_size")),
+        shared_expert_ffn=int(_get(cfg, "shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0,
+        norm_topk_prob=norm,
+        qk_norm=model_type == "qwen3_moe",
+    )
+
+
+def check_moe_options(o, key: str) -> None:
+    """override_transformer_config's MoE keys (`key` names the section), at config time."""
+    if o is None:
+        return
+    dtype = getattr(o, "moe_router_dtype", "fp32")
+    if dtype not in MOE_ROUTER_DTYPES:
+        raise ValueError(f"{key}.moe_router_dtype={dtype!r}; choose one of {', '.join(MOE_ROUTER_DTYPES)} (the "
+                         "router runs in it whatever the params' dtype, so training and rollout route alike)")
+    dispatcher = getattr(o, "moe_token_dispatcher_type", "alltoall")
+    if dispatcher not in MOE_DISPATCHERS:
+        raise ValueError(f"{key}.moe_token_dispatcher_type={dispatcher!r}; choose one of {', '.join(MOE_DISPATCHERS)}")
+    coeff = getattr(o, "moe_aux_loss_coeff", 0.0)
+    if not coeff >= 0:
+        raise ValueError(f"{key}.moe_aux_loss_coeff={coeff} must be >= 0 (0: no load-balancing loss)")
+
+
+def _moe_fields(facts: HFModelFacts, dims: ParallelDims, megatron_cfg) -> dict:
+    """TransformerConfig's MoE fields for an MoE model: routing exactly as the HF model routes."""
+    if not facts.is_moe:
+        return {}
+    o = getattr(megatron_cfg, "override_transformer_config", None)
+    check_moe_options(o, "megatron.override_transformer_config")
+    coeff = float(getattr(o, "moe_aux_loss_coeff", 0.0) or 0.0)
+    fields = dict(
+        num_moe_experts=facts.num_experts,
+        moe_router_topk=facts.moe_topk,
+        moe_ffn_hidden_size=facts.moe_ffn_hidden_size,
+        # Megatron's default router takes the top-k logits, then softmaxes over those k: the same probabilities as
+        # softmax over all experts renormalised over the top k (Mixtral; Qwen with norm_topk_prob). Without
+        # renormalisation (Qwen's norm_topk_prob=false) the softmax runs over all experts first.
+        moe_router_pre_softmax=not facts.norm_topk_prob,
+        moe_router_dtype=getattr(o, "moe_router_dtype", "fp32"),
+        moe_token_dispatcher_type=getattr(o, "moe_token_dispatcher_type", "alltoall"),
+        moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
+        moe_aux_loss_coeff=coeff,
+        moe_grouped_gemm=False,  # sequential experts: portable and exact; TE's grouped GEMM is a GPU-only choice
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.expert_tp,
+    )
+    if facts.shared_expert_ffn:
+        fields.update(moe_shared_expert_intermediate_size=facts.shared_expert_ffn, moe_shared_expert_gate=True)
+    return fields
 
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
@@ -184,6 +285,8 @@ def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype =
 
     return TransformerConfig(
         **recompute,
+        **_moe_fields(facts, dims, megatron_cfg),
+        qk_layernorm=facts.qk_norm,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         num_layers=facts.num_layers,
         hidden_size=facts.hidden_size,
@@ -224,9 +327,13 @@ def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype =
     )
 
 
-def build_layer_spec(transformer_impl: str = "auto", attention_backend: str = "auto"):
+def build_layer_spec(transformer_impl: str = "auto", attention_backend: str = "auto",
+                     facts: HFModelFacts | None = None):
     """TE's spec, or megatron's local spec whose core attention is torch's fused SDPA (auto) or megatron's
-    unfused DotProductAttention (attention_backend=unfused, which selective recompute is made for)."""
+    unfused DotProductAttention (attention_backend=unfused, which selective recompute is made for).
+    facts: the model's (MoE experts and q/k norms pick the spec's MLP and attention norms)."""
+    moe = dict(num_experts=facts.num_experts if facts is not None and facts.is_moe else None,
+               qk_layernorm=bool(facts is not None and facts.qk_norm))
     from megatron.core.models.gpt import gpt_layer_specs
 
     key = "megatron.override_transformer_config.attention_backend"
@@ -236,8 +343,8 @@ def build_layer_spec(transformer_impl: str = "auto", attention_backend: str = "a
         if attention_backend != "auto":
             raise ValueError(f"{key}={attention_backend} selects the local spec's attention; with "
                              "megatron.transformer_impl=transformer_engine TE picks its own (use auto, or local)")
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
     if attention_backend == "auto":
         # The local spec's DotProductAttention materialises the s x s scores; the same attention through
         # torch's fused SDPA is exact for the engine's causal, unmasked batches and falls back otherwise.
@@ -284,7 +391,7 @@ def build_gpt_model(
         share_embeddings = facts.tie_word_embeddings
     model = GPTModel(
         config=config,
-        transformer_layer_spec=build_layer_spec(impl, attention),
+        transformer_layer_spec=build_layer_spec(impl, attention, facts),
         vocab_size=padded_vocab_size(facts.vocab_size, dims.tp),
         max_sequence_length=facts.max_position_embeddings,
         pre_process=pre_process,

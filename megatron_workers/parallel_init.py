@@ -80,11 +80,18 @@ def init_model_parallel(dims: ParallelDims, seed: int = 1234, timeout_s: float =
             raise LayoutError(
                 f"model parallel already initialized with (tp, pp)={have}, asked for {(dims.tp, dims.pp)}"
             )
+        experts = (parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_expert_tensor_parallel_world_size())
+        if experts != (dims.ep, dims.expert_tp):
+            raise LayoutError(f"model parallel already initialized with (ep, etp)={experts}, asked for "
+                              f"{(dims.ep, dims.expert_tp)}")
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=dims.tp,
             pipeline_model_parallel_size=dims.pp,
             context_parallel_size=dims.cp,
+            expert_model_parallel_size=dims.ep,
+            expert_tensor_parallel_size=dims.expert_tp,
             virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
             distributed_timeout_minutes=max(1, int(round(timeout_s / 60))),
             # megatron's optimizer set-up asks for its gloo side-channel groups even when everything is gloo

@@ -38,8 +38,10 @@ def test_cpu_compat_patches():
     assert max(abs(g - 2.0 / (4.0 + 1e-6)) for g in cpu["clipped_grad"]) < 1e-6  # clipping still happens
     # the SP-capable torch norm: same module type, weights tagged, caller's config not modified
     assert cpu["sp_norm"] == ["RMSNorm", True, True]
-    # with CUDA present only the (device-independent) SP norm fix is installed
-    assert cuda["first"] == ["sp-norm:WrappedTorchNorm"] and cuda["rotary_torch_is_real"]
+    # with CUDA present only the device-independent fixes are installed: the SP norm, and MoE's names without TE
+    # (this venv has no transformer_engine)
+    assert cuda["first"] == ["sp-norm:WrappedTorchNorm", "moe-without-te:megatron.core.transformer.moe.moe_utils"]
+    assert cuda["rotary_torch_is_real"]
     assert cuda["sp_norm"] == ["RMSNorm", True, True]
 
 

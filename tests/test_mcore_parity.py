@@ -9,9 +9,6 @@ HF's grad norm of the same loss) and an HF export (compared bit-exactly with the
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,12 +23,11 @@ from mcore_cases import (  # noqa: E402
     hf_reference,
     load_hf_state,
     make_batch,
+    run_parity_worker,
     save_llama_vocab300,
     save_tiny_qwen2,
 )
 
-REPO = TESTS.parent
-WORKER = TESTS / "mcore_scripts" / "parity_worker.py"
 TOL = 1e-5
 
 
@@ -39,24 +35,6 @@ TOL = 1e-5
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("mcore_models")
     return {"llama": save_llama_vocab300(root / "llama300"), "qwen2": save_tiny_qwen2(root / "qwen2_tied")}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_worker(nproc: int, out: Path, *args: str, timeout: int = 120) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(WORKER), "--out", str(out), *args]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    if proc.returncode != 0 or not out.is_file():
-        tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if "Warning" not in line)[-6000:]
-        pytest.fail(f"worker failed (rc={proc.returncode}):\n{tail}")
-    return json.loads(out.read_text())
 
 
 # (model, tp, pp, sp, nproc, micro-batch size, export, train step)
@@ -80,7 +58,7 @@ def test_megatron_matches_hf(case, models, tmp_path):
     args += ["--export-dir", str(tmp_path / "export"), "--export-shard-bytes",
              str(150_000 if name == "llama" else 2**31)] if export else []
     args += ["--train-step"] if train else []
-    result = run_worker(nproc, tmp_path / "result.json", *args)
+    result = run_parity_worker(nproc, tmp_path / "result.json", *args)
 
     vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
     ids, mask = make_batch(vocab)
@@ -136,8 +114,8 @@ BF16_CASES = {"llama_tp1": (1, 1, 1), "llama_tp2": (2, 1, 2), "llama_pp2": (1, 2
 def test_megatron_bf16_matches_hf_bf16(case, models, tmp_path):
     tp, pp, nproc = BF16_CASES[case]
     hf_dir = models["llama"]
-    result = run_worker(nproc, tmp_path / "result.json", "--hf-dir", str(hf_dir), "--tp", str(tp), "--pp", str(pp),
-                        "--mbs", "2", "--dtype", "bfloat16")
+    result = run_parity_worker(nproc, tmp_path / "result.json", "--hf-dir", str(hf_dir), "--tp", str(tp),
+                               "--pp", str(pp), "--mbs", "2", "--dtype", "bfloat16")
     vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
     ids, mask = make_batch(vocab)
     lp, ent = torch.tensor(result["logprobs"]), torch.tensor(result["entropy"])

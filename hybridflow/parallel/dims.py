@@ -159,6 +159,11 @@ class ParallelDims:
                 raise LayoutError(f"{ep_key}={self.ep}, {etp_key}={self.etp}: the model is dense (no num_experts "
                                   "in its config); expert parallelism needs an MoE model")
             return
+        if self.tp > 1 and not self.sp:
+            # megatron refuses it when training (moe_layer.py: "performance may degrade if MoE and tensor
+            # parallelism are enabled without also enabling sequence parallelism"); say so before any process
+            raise LayoutError(f"an MoE model at tensor_model_parallel_size={self.tp} needs sequence_parallel=true "
+                              "(Megatron trains MoE layers under TP only with sequence parallelism)")
         _check_divides("num_experts", model.num_experts, ep_key, self.ep)
         _check_divides("moe_intermediate_size", model.ffn_hidden_size, etp_key, self.expert_tp)
         if model.shared_expert_ffn:

@@ -5,9 +5,17 @@ Kept free of megatron imports so pytest can use it without paying megatron's imp
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parents[2]
+PARITY_WORKER = Path(__file__).resolve().parent / "parity_worker.py"
 
 
 def save_llama_vocab300(out_dir, tie: bool = False, seed: int = 0, sharded: bool = True) -> Path:
@@ -114,3 +122,25 @@ def hf_grad_norm(model_dir, input_ids, attention_mask) -> tuple[float, float]:
     loss.backward()
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
     return norm.item(), loss.item()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_parity_worker(nproc: int, out: Path, *args: str, timeout: int = 120) -> dict:
+    """parity_worker.py under torchrun on `nproc` local processes; its JSON result (pytest.fail with the
+    workers' output tail if it fails)."""
+    import pytest
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={_free_port()}", str(PARITY_WORKER), "--out", str(out), *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if proc.returncode != 0 or not out.is_file():
+        tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if "Warning" not in line)[-6000:]
+        pytest.fail(f"worker failed (rc={proc.returncode}):\n{tail}")
+    return json.loads(out.read_text())

@@ -105,6 +105,8 @@ def main():
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--sp", action="store_true")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel (MoE)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel (MoE; default: tp)")
     p.add_argument("--mbs", type=int, default=0, help="micro-batch size (0: whole batch)")
     p.add_argument("--export-dir")
     p.add_argument("--export-shard-bytes", type=int, default=2 * 1024**3)
@@ -117,7 +119,8 @@ def main():
     t0 = time.perf_counter()
 
     rank, world = parallel_init.init_distributed(timeout_s=60)
-    dims = ParallelDims(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp), sp=args.sp)
+    dims = ParallelDims(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp), sp=args.sp, ep=args.ep,
+                        etp=args.etp)
     parallel_init.init_model_parallel(dims, seed=0)
     from megatron.core import parallel_state
 
