@@ -54,24 +54,37 @@ def train_micro_batches(job: Job, role: Role) -> int:
     return max(1, seqs // max(1, role.micro_batch))
 
 
+def model_state(job: Job, role: Role, stage: int) -> dict[str, float]:
+    """params / grads / optimizer bytes on one rank of pipeline stage `stage`: the routed experts (E/ep per rank,
+    each over etp) with their optimizer state sharded over the expert data-parallel group, everything else over
+    dp*cp, as Megatron's distributed optimizer keeps them."""
+    d, shape = role.dims, role.shape
+    n = M.stage_params(shape, d.tp, d.pp, stage, role.scalar_head, d.ep, d.expert_tp)
+    experts = M.stage_expert_params(shape, d.pp, d.ep, d.expert_tp)
+    dense = M.state_bytes(n - experts, job.dtype, role.trainable, role.dist_opt, d.dp * d.cp)
+    if not experts:
+        return dense
+    moe = M.state_bytes(experts, job.dtype, role.trainable, role.dist_opt, d.expert_dp)
+    return {k: dense[k] + moe[k] for k in dense}
+
+
 def role_memory(job: Job, role: Role) -> tuple[dict[str, float], str]:
     """Components of one role on its worst pipeline stage, plus a note naming that stage."""
     d, shape, e, opts = role.dims, role.shape, elem_bytes(job), job.options
     seq = job.seq_len
     best: tuple[float, dict, int] | None = None
     for stage in range(d.pp):
-        n = M.stage_params(shape, d.tp, d.pp, stage, role.scalar_head)
-        comp = M.state_bytes(n, job.dtype, role.trainable, role.dist_opt, d.dp * d.cp)
+        comp = model_state(job, role, stage)
         last = stage == d.pp - 1
         fwd_layer = sum(M.layer_activations(shape, d.tp, d.sp, seq, role.fwd_micro_batch, e, opts.kernels,
-                                            "none").values())
+                                            "none", d.expert_tp).values())
         fwd = fwd_layer + (sum(M.head_activations(shape, d.tp, d.sp, seq, role.fwd_micro_batch, e, opts.kernels,
                                                   role.scalar_head).values()) if last else 0.0)
         comp["forward working"] = fwd
         if role.trainable:
             m = train_micro_batches(job, role)
             per_layer = sum(M.layer_activations(shape, d.tp, d.sp, seq, role.micro_batch, e, opts.kernels,
-                                                opts.recompute).values())
+                                                opts.recompute, d.expert_tp).values())
             held = M.chunks_in_flight(d.pp, stage, m, opts.vpp)
             act = per_layer * shape.num_layers / d.pp * held
             if last:
@@ -80,7 +93,7 @@ def role_memory(job: Job, role: Role) -> tuple[dict[str, float], str]:
             comp["activations"] = act
             if opts.recompute == "full":  # backward recomputes one layer at a time: its full activations
                 comp["recompute working"] = sum(M.layer_activations(shape, d.tp, d.sp, seq, role.micro_batch, e,
-                                                                    opts.kernels, "none").values())
+                                                                    opts.kernels, "none", d.expert_tp).values())
         total = sum(comp.values()) - comp["forward working"]
         if best is None or total > best[0]:
             best = (total, comp, stage)

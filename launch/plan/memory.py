@@ -91,21 +91,57 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 
 # ---- parameter counts ------------------------------------------------------------------------------------------
-def layer_params(shape: Shape, tp: int) -> int:
-    """One transformer layer on one TP rank."""
-    h, hd, ng, nh, f = shape.hidden_size, shape.head_dim, shape.num_kv_heads, shape.num_heads, shape.ffn_hidden_size
+# An MoE layer (Megatron's MoELayer, every layer sparse): the router [E, h], replicated on every rank; the routed
+# experts, E/ep per rank, each expert's fc1 [2F, h] and fc2 [h, F] split over etp (F: one expert's width); a shared
+# expert (Qwen2-MoE) split over tp like a dense MLP, with its [1, h] sigmoid gate replicated. Attention, norms and
+# embeddings are laid out as in a dense model (tp x pp). Megatron keeps the experts' gradients and optimizer state
+# on the expert data-parallel group (tp*cp*dp / (etp*ep) ranks), the rest on dp*cp.
+def attention_params(shape: Shape, tp: int) -> int:
+    """qkv (+ bias), the output projection and the two layer norms of one layer on one TP rank (+ Qwen3's q/k
+    RMSNorm: head_dim weights each, replicated)."""
+    h, hd, ng, nh = shape.hidden_size, shape.head_dim, shape.num_kv_heads, shape.num_heads
     qkv_rows = ng // tp * (nh // ng + 2) * hd
     qkv = qkv_rows * h + (qkv_rows if shape.qkv_bias else 0)
     proj = h * nh * hd // tp
-    mlp = 2 * f // tp * h + h * f // tp
-    return qkv + proj + mlp + 2 * h  # + input_layernorm and pre_mlp_layernorm (replicated)
+    return qkv + proj + 2 * h + (2 * hd if shape.qk_norm else 0)  # + input_layernorm and pre_mlp_layernorm
 
 
-def stage_params(shape: Shape, tp: int, pp: int, stage: int, scalar_head: bool = False) -> int:
+def expert_params(shape: Shape) -> int:
+    """One routed expert's SwiGLU matrices, whole: [gate; up] (2F x h) and down (h x F)."""
+    return 3 * shape.ffn_hidden_size * shape.hidden_size
+
+
+def mlp_params(shape: Shape, tp: int) -> int:
+    """The MLP of one layer on one TP rank, routed experts excluded: the dense SwiGLU, or for an MoE layer the
+    router and the shared expert with its gate."""
+    h = shape.hidden_size
+    if not shape.is_moe:
+        f = shape.ffn_hidden_size
+        return 2 * f // tp * h + h * f // tp
+    fs = shape.shared_expert_ffn
+    shared = 2 * fs // tp * h + h * fs // tp + h if fs else 0
+    return shape.num_experts * h + shared
+
+
+def layer_expert_params(shape: Shape, ep: int = 1, etp: int = 1) -> int:
+    """Routed-expert parameters of one layer on one rank: E/ep experts, each split over etp."""
+    if not shape.is_moe:
+        return 0
+    return shape.num_experts // ep * expert_params(shape) // etp
+
+
+def layer_params(shape: Shape, tp: int, ep: int = 1, etp: int | None = None) -> int:
+    """One transformer layer on one rank (etp None: = tp, Megatron's default)."""
+    return attention_params(shape, tp) + mlp_params(shape, tp) + layer_expert_params(shape, ep, tp if etp is None
+                                                                                      else etp)
+
+
+def stage_params(shape: Shape, tp: int, pp: int, stage: int, scalar_head: bool = False, ep: int = 1,
+                 etp: int | None = None) -> int:
     """Parameters on one rank of pipeline stage `stage` (Megatron splits layers evenly over stages)."""
     h = shape.hidden_size
     vocab_rows = padded_vocab(shape.vocab_size, tp) // tp
-    n = shape.num_layers // pp * layer_params(shape, tp)
+    n = shape.num_layers // pp * layer_params(shape, tp, ep, etp)
     if stage == 0:
         n += vocab_rows * h  # word embeddings
     if stage == pp - 1:
@@ -117,12 +153,34 @@ def stage_params(shape: Shape, tp: int, pp: int, stage: int, scalar_head: bool =
     return n
 
 
+def stage_expert_params(shape: Shape, pp: int, ep: int = 1, etp: int = 1) -> int:
+    """The routed-expert part of stage_params: what the expert data-parallel group shards and reduces."""
+    return shape.num_layers // pp * layer_expert_params(shape, ep, etp)
+
+
 def total_params(shape: Shape, scalar_head: bool = False) -> int:
-    """The whole model, unpadded (what vLLM holds over its TP ranks and what the FLOP count uses)."""
+    """The whole model, unpadded, every expert counted (what vLLM holds over its TP ranks, what the weight sync
+    moves and what the memory plan holds)."""
     n = shape.num_layers * layer_params(shape, 1) + shape.vocab_size * shape.hidden_size + shape.hidden_size
     if scalar_head:
         return n + shape.hidden_size
     return n + (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)
+
+
+def active_params(shape: Shape, scalar_head: bool = False) -> int:
+    """Parameters one token's forward touches: total_params with the routed experts counted top-k times instead of
+    E times (the FLOP count's N; = total_params for a dense model)."""
+    idle = shape.num_layers * (shape.num_experts - shape.moe_topk) * expert_params(shape) if shape.is_moe else 0
+    return total_params(shape, scalar_head) - idle
+
+
+def expected_experts_touched(num_experts: int, topk: int, tokens: float) -> float:
+    """Distinct experts of one layer that a batch of `tokens` tokens routes to, each token choosing `topk` of
+    `num_experts`: E * (1 - (1 - k/E)^B), assuming uniform, independent routing (a balanced router's aim; a skewed
+    one touches fewer). k at B = 1, min(E, B*k) while B*k << E, all E at large B."""
+    if num_experts <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - topk / num_experts) ** max(0.0, tokens))
 
 
 def state_bytes(n_params: int, dtype: str, trainable: bool, dist_opt: bool, dp: int) -> dict[str, float]:
@@ -138,8 +196,9 @@ def state_bytes(n_params: int, dtype: str, trainable: bool, dist_opt: bool, dp: 
 
 # ---- activations -----------------------------------------------------------------------------------------------
 def layer_activations(shape: Shape, tp: int, sp: bool, seq: int, micro: int, elem: int, profile: str,
-                      recompute: str) -> dict[str, float]:
-    """Bytes one layer keeps for backward for one micro-batch of `micro` sequences of `seq` tokens (table 2)."""
+                      recompute: str, etp: int | None = None) -> dict[str, float]:
+    """Bytes one layer keeps for backward for one micro-batch of `micro` sequences of `seq` tokens (table 2).
+    etp: the experts' tensor-parallel size (None: = tp)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"--recompute {recompute!r} is not one of {RECOMPUTE_MODES}")
     prof = KERNEL_PROFILES[profile]
@@ -169,7 +228,29 @@ def layer_activations(shape: Shape, tp: int, sp: bool, seq: int, micro: int, ele
         if prof.attention == "flash" and recompute != "selective":
             out["attention q,k,v"] += tokens * 4 * a / tp  # lse
     out["attention out"] = tokens * elem * q / tp  # linear_proj input (= flash's saved output)
-    out["mlp"] = tokens * elem * prof.ffn_tensors * shape.ffn_hidden_size / tp
+    if not shape.is_moe:
+        out["mlp"] = tokens * elem * prof.ffn_tensors * shape.ffn_hidden_size / tp
+        return out
+    out.update(moe_activations(shape, tokens, rep, elem, prof.ffn_tensors, tp, tp if etp is None else etp))
+    return out
+
+
+def moe_activations(shape: Shape, tokens: float, rep: float, elem: int, ffn_tensors: int, tp: int,
+                    etp: int) -> dict[str, float]:
+    """What an MoE layer keeps for a micro-batch of `tokens` tokens, of which a rank feeds it tokens*rep (rep = 1/tp
+    with sequence parallel).
+    Derived, not measured (no GPU in the CI): the router's fp32 logits (E per token, for the softmax's backward);
+    each token arrives at its k experts (the alltoall dispatcher's permuted rows; with etp > 1 gathered over the
+    expert-TP group, so etp times the rows at F/etp width), and each row keeps the expert's input and output (h wide:
+    fc1's input and the output the weighted un-permute multiplies by its probability) plus the SwiGLU's F-wide
+    tensors (as the dense MLP, per the kernel profile); the shared expert as a dense MLP over tp. Uniform routing:
+    the dispatcher gives each rank tokens*k rows on average (a skewed router gives the busiest rank more)."""
+    h, f, k = shape.hidden_size, shape.ffn_hidden_size, shape.moe_topk
+    rows = tokens * rep * k * etp
+    out = {"moe router": tokens * rep * shape.num_experts * 4.0,
+           "moe expert rows": rows * elem * (2 * h + ffn_tensors * f / etp)}
+    if shape.shared_expert_ffn:
+        out["mlp"] = tokens * elem * ffn_tensors * shape.shared_expert_ffn / tp
     return out
 
 

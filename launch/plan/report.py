@@ -32,8 +32,11 @@ def layout_lines(plan: Plan) -> list[str]:
            f"{j.prompt_mean:.0f}, micro-batches {j.options.packing}"]
     for name, r in j.roles.items():
         d = r.dims
+        moe = (f" ep={d.ep} etp={d.expert_tp} edp={d.expert_dp} ({r.shape.num_experts} experts, top-{r.shape.moe_topk}"
+               f"; {M.total_params(r.shape) / 1e9:.1f}B total, {M.active_params(r.shape) / 1e9:.1f}B active)"
+               if r.shape.is_moe else "")
         out.append(f"  {name:<12} {r.shape.name} ({r.shape.source}): tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp} "
-                   f"sp={d.sp} dist_opt={r.dist_opt}")
+                   f"sp={d.sp}{moe} dist_opt={r.dist_opt}")
     out.append(f"  {'rollout':<12} vLLM t_g={j.t_g}, {j.world // j.t_g} replicas, KV budget "
                f"{gib(j.kv_cache_bytes)} GiB")
     return out

@@ -48,6 +48,24 @@ KNOWN_CONFIGS: dict[str, dict] = {
     # heads, ffn 25600, vocab 151936, untied. Planned as a Llama-architecture body: Qwen3 adds only q/k RMSNorm
     # (2 x 128 weights per layer) and has no qkv bias; the Megatron builder does not map model_type qwen3 yet.
     "Qwen3-32B": {**_llama(64, 5120, 64, 8, 25600, 151936, 1000000.0, 40960, 1e-6), "head_dim": 128},
+    # Qwen/Qwen3-30B-A3B/config.json: 48 layers, hidden 2048, 32 heads of head_dim 128 (q width 4096 > hidden),
+    # 4 KV heads, every layer sparse (decoder_sparse_step 1, no mlp_only_layers): 128 experts of width 768
+    # (moe_intermediate_size), top-8 with norm_topk_prob, no shared expert; q/k RMSNorm; vocab 151936, untied.
+    # intermediate_size 6144 is the dense MLP width no layer uses. Model card: 30.5B total, 3.3B activated.
+    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=48,
+                          hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                          hidden_act="silu", tie_word_embeddings=False),
+    # mistralai/Mixtral-8x7B-v0.1/config.json: 32 layers, hidden 4096, 32 heads, 8 KV heads, 8 experts of width
+    # 14336 (intermediate_size), top-2, vocab 32000, untied, no sliding window. Model card: 46.7B total, 12.9B
+    # active per token.
+    "Mixtral-8x7B-v0.1": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_hidden_layers=32,
+                              hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                              num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, rope_theta=1000000.0,
+                              max_position_embeddings=32768, rms_norm_eps=1e-5, hidden_act="silu",
+                              sliding_window=None, tie_word_embeddings=False),
 }
 # Fine-tuned variants share the base model's shape.
 ALIASES = {"Meta-Llama-3-8B-Instruct": "Meta-Llama-3-8B", "Meta-Llama-3-70B-Instruct": "Meta-Llama-3-70B",
@@ -58,7 +76,9 @@ ALIASES = {"Meta-Llama-3-8B-Instruct": "Meta-Llama-3-8B", "Meta-Llama-3-70B-Inst
            "Qwen2-7B-Instruct": "Qwen2-7B",
            "Llama-2-7b": "Llama-2-7b-hf", "Llama-2-13b": "Llama-2-13b-hf", "Llama-2-70b": "Llama-2-70b-hf",
            "CodeLlama-34b": "CodeLlama-34b-hf", "Llama-2-7b-chat-hf": "Llama-2-7b-hf",
-           "Llama-2-13b-chat-hf": "Llama-2-13b-hf", "Llama-2-70b-chat-hf": "Llama-2-70b-hf"}
+           "Llama-2-13b-chat-hf": "Llama-2-13b-hf", "Llama-2-70b-chat-hf": "Llama-2-70b-hf",
+           "Qwen3-30B-A3B-Base": "Qwen3-30B-A3B", "Qwen3-30B-A3B-Instruct-2507": "Qwen3-30B-A3B",
+           "Mixtral-8x7B": "Mixtral-8x7B-v0.1", "Mixtral-8x7B-Instruct-v0.1": "Mixtral-8x7B-v0.1"}
 
 
 @dataclass(frozen=True)
@@ -72,17 +92,26 @@ class Shape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    ffn_hidden_size: int
+    ffn_hidden_size: int  # the dense MLP's width; for an MoE model one expert's (as ModelShape)
     vocab_size: int
     qkv_bias: bool
     tie_word_embeddings: bool
+    num_experts: int = 0  # routed experts per layer (every layer sparse); 0: dense
+    moe_topk: int = 0  # experts each token is routed to
+    shared_expert_ffn: int = 0  # Qwen2-MoE's always-on shared expert width; 0: none
+    qk_norm: bool = False  # Qwen3: an RMSNorm of head_dim weights over each head's q and k
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def model_shape(self) -> ModelShape:
         """The layout check's view (hybridflow.parallel.dims)."""
         return ModelShape(num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
                           num_kv_heads=self.num_kv_heads, ffn_hidden_size=self.ffn_hidden_size,
-                          vocab_size=self.vocab_size)
+                          vocab_size=self.vocab_size, num_experts=self.num_experts, moe_topk=self.moe_topk,
+                          shared_expert_ffn=self.shared_expert_ffn)
 
     @property
     def q_width(self) -> int:
@@ -102,8 +131,11 @@ def shape_from_hf_config(name: str, cfg: dict, source: str) -> Shape:
         cfg = {**cfg, "architectures": [SUPPORTED_MODEL_TYPES.get(cfg.get("model_type"), archs[0])]}
     f = read_hf_facts(cfg)  # rejects architectures the Megatron builder does not map
     return Shape(name=name, source=source, num_layers=f.num_layers, hidden_size=f.hidden_size, num_heads=f.num_heads,
-                 num_kv_heads=f.num_kv_heads, head_dim=f.head_dim, ffn_hidden_size=f.ffn_hidden_size,
-                 vocab_size=f.vocab_size, qkv_bias=f.qkv_bias, tie_word_embeddings=f.tie_word_embeddings)
+                 num_kv_heads=f.num_kv_heads, head_dim=f.head_dim,
+                 ffn_hidden_size=f.moe_ffn_hidden_size if f.is_moe else f.ffn_hidden_size,
+                 vocab_size=f.vocab_size, qkv_bias=f.qkv_bias, tie_word_embeddings=f.tie_word_embeddings,
+                 num_experts=f.num_experts, moe_topk=f.moe_topk, shared_expert_ffn=f.shared_expert_ffn,
+                 qk_norm=f.qk_norm)
 
 
 def known_name(path: str) -> str | None:

@@ -13,6 +13,12 @@
   all-gather per optimizer step.
 - transition: the 3D-HybridEngine's per-rank receive volume M/t_g - M/(p*max(t, t_g))
   (hybridflow.resharding.planner.optimal_recv_bytes) over the link between the ranks that exchange.
+- MoE (every layer sparse, E experts, top-k): FLOPs count the active parameters (attention, router, shared expert
+  and k experts: memory.active_params), memory and the weight sync every expert. The alltoall token dispatcher
+  sends each token's hidden state to its k experts and back (dispatch + combine) in every forward and again in
+  the backward, (ep-1)/ep of it off the rank (uniform routing), over the link the EP group spans. The experts'
+  gradient sync runs over the expert data-parallel group. Decode reads the experts a step's batch touches:
+  memory.expected_experts_touched (k at batch 1, all E at a large batch, uniform routing ASSUMED).
 Tokens per row follow Options.packing (micro-batches trimmed to their longest row, packed, or padded to the budget).
 The efficiencies are one table (EFFICIENCY) with their justification; the one chosen by looking at a published case
 (internode_link) says so and keeps its prior for the leave-one-source-out check.
@@ -76,6 +82,12 @@ EFFICIENCY: dict[str, Eff] = {
     "internode_link": Eff(0.50, "cross-node collectives at 50% of the per-GPU NIC share: both HybridFlow-paper "
                                 "transition times imply it (nccl-tests alone: 0.8)",
                           informed_by=frozenset({"hybridflow-paper"}), prior=0.80),
+    # MoE token dispatch (Megatron's alltoall dispatcher: NCCL all_to_all; per-rank messages of MBs at RL's token
+    # counts). DeepEP's README measures its dispatch/combine kernels at ~150 of an H800's ~160 GB/s NVLink and
+    # 40-60 GB/s over a ~50 GB/s CX7 NIC: an upper bound for the alltoall; NCCL's all_to_all is taken at the bus
+    # bandwidth of large NCCL collectives (nccl-tests), as `link`. Not chosen by looking at any published case.
+    "alltoall": Eff(0.80, "MoE token alltoall at ~80% of the link it spans (nccl-tests; DeepEP's README: its "
+                          "kernels reach ~95% of NVLink, an upper bound); NVLink inside a node, the NIC across"),
     # One small all-reduce on NVLink: ~10-20 us (nccl-tests latency at 8 GPUs); decode does 2 per layer.
     "tp_allreduce_latency_s": Eff(15e-6, "small-message NCCL all-reduce latency on NVLink (nccl-tests)"),
 }
@@ -127,9 +139,15 @@ class StageTime:
 
 
 def matmul_params(role_or_shape, scalar_head: bool = False) -> float:
-    """Parameters that do matmuls (the input embedding is a lookup): the 2N / 6N in the FLOP count."""
+    """Parameters that do matmuls for one token (the input embedding is a lookup; an MoE layer runs k of its E
+    experts): the 2N / 6N in the FLOP count."""
     shape = role_or_shape.shape if isinstance(role_or_shape, Role) else role_or_shape
-    return M.total_params(shape, scalar_head) - shape.vocab_size * shape.hidden_size
+    return M.active_params(shape, scalar_head) - shape.vocab_size * shape.hidden_size
+
+
+def routed_expert_params(shape) -> float:
+    """Every routed expert of every layer (what a decode step reads when its batch touches them all)."""
+    return shape.num_layers * shape.num_experts * M.expert_params(shape) if shape.is_moe else 0.0
 
 
 def attention_flops_fwd(shape, seq: float) -> float:
@@ -163,6 +181,36 @@ def model_parallel_comm_s(job: Job, role: Role, collectives_per_layer: int, seq:
     return tp_bytes / link_bytes_s(job, d.tp) + pp_bytes / link_bytes_s(job, d.tp * d.cp * d.dp + 1)
 
 
+def alltoall_bytes_s(job: Job, group_span: int) -> float:
+    """The MoE dispatcher's alltoall over NVLink inside a node, the NICs when the EP group spans nodes."""
+    dev = job.device
+    raw = dev.nvlink_bytes_s if group_span <= job.gpus_per_node else dev.internode_bytes_s
+    return raw * eff("alltoall")
+
+
+def dispatch_bytes_per_token(shape, ep: int, etp: int, elem: int) -> float:
+    """Bytes one rank sends per token and per alltoall (one dispatch, or one combine) of one MoE layer: the token's
+    hidden state to each of its k experts, the (ep-1)/ep share on other ranks (uniform routing), and with etp > 1
+    the rows gathered over the expert-TP group (etp - 1 copies)."""
+    if not shape.is_moe:
+        return 0.0
+    return shape.moe_topk * shape.hidden_size * elem * ((ep - 1) / ep + (etp - 1))
+
+
+def dispatcher_comm_s(job: Job, role: Role, alltoalls_per_layer: int, seq: float) -> float:
+    """The token dispatcher's traffic on one GPU over the job's sequences: every MoE layer of its stage does
+    `alltoalls_per_layer` alltoalls per token (forward: dispatch + combine = 2; a training step adds their
+    backward, 4; full recompute one more forward, 6). A rank feeds the MoE layer its 1/tp share of the tokens
+    with sequence parallel (Megatron requires SP for MoE under TP)."""
+    d, shape = role.dims, role.shape
+    if not shape.is_moe or d.ep * d.expert_tp == 1:
+        return 0.0
+    tokens = job.sequences / (d.dp * d.cp) * seq / (d.tp if d.sp else 1)
+    per_token = dispatch_bytes_per_token(shape, d.ep, d.expert_tp, elem_bytes(job))
+    total = tokens * shape.num_layers / d.pp * alltoalls_per_layer * per_token
+    return total / alltoall_bytes_s(job, d.ep * d.expert_tp)
+
+
 def _bubble(pp: int, micro_batches: int, vpp: int = 1) -> float:
     return 1.0 + (pp - 1) / (vpp * max(1, micro_batches))
 
@@ -175,12 +223,15 @@ def forward_pass(job: Job, role: Role, name: str) -> StageTime:
     seq = job.compute_seq_len(micro)
     flops = forward_flops(role, seq, job.sequences)
     comm = model_parallel_comm_s(job, role, 4, seq)
+    a2a = dispatcher_comm_s(job, role, 2, seq)
     compute = flops / (gpus * job.device.peak_flops * eff("forward_mfu"))
     bubble = _bubble(d.pp, m)
-    sec = (compute + comm) * bubble
+    sec = (compute + comm + a2a) * bubble
     return StageTime(name, sec, f"{flops:.3g} FLOP on {gpus} GPUs at {eff('forward_mfu'):.0%} MFU ({seq:.0f} "
-                                f"tokens/row), TP/PP comm {comm:.1f} s, bubble p={d.pp} m={m}",
-                     (("compute", compute), ("TP/PP comm", comm), ("pipeline bubble", sec - compute - comm)))
+                                f"tokens/row), TP/PP comm {comm:.1f} s"
+                                + (f", EP alltoall {a2a:.1f} s" if a2a else "") + f", bubble p={d.pp} m={m}",
+                     (("compute", compute), ("TP/PP comm", comm), ("EP alltoall", a2a),
+                      ("pipeline bubble", sec - compute - comm - a2a)))
 
 
 def dp_link_bytes_s(job: Job, role: Role) -> float:
@@ -199,34 +250,57 @@ def update(job: Job, role: Role, name: str) -> StageTime:
     flops = role.epochs * (dense * (3 + extra_fwd) + attn * attn_passes)
     m = train_micro_batches(job, role)
     mp_comm = role.epochs * model_parallel_comm_s(job, role, 8 + (4 if opts.recompute == "full" else 0), seq)
+    a2a = role.epochs * dispatcher_comm_s(job, role, 4 + (2 if opts.recompute == "full" else 0), seq)
     math_s = flops / (job.world * job.device.peak_flops * eff("train_mfu"))
-    compute = (math_s + mp_comm) * _bubble(d.pp, m, opts.vpp)
+    compute = (math_s + mp_comm + a2a) * _bubble(d.pp, m, opts.vpp)
     steps = role.epochs * (job.prompts // role.mini_batch)
-    n_rank = M.stage_params(role.shape, d.tp, d.pp, 0, role.scalar_head)
-    dpc = d.dp * d.cp
+    n_rank = M.stage_params(role.shape, d.tp, d.pp, 0, role.scalar_head, d.ep, d.expert_tp)
+    n_experts = M.stage_expert_params(role.shape, d.pp, d.ep, d.expert_tp)
     b = M.BYTES_PER_PARAM[job.dtype]
-    sync_bytes = (dpc - 1) / dpc * n_rank * (b["grad"] + b["param"]) if dpc > 1 else 0.0  # reduce-scatter + gather
+
+    def sync(n: float, group: int) -> float:  # the distributed optimizer's reduce-scatter + all-gather per step
+        return (group - 1) / group * n * (b["grad"] + b["param"]) if group > 1 else 0.0
+
+    # the expert-DP group strides etp*ep ranks inside the same tp*cp*dp block as the DP group: the same link
+    sync_bytes = sync(n_rank - n_experts, d.dp * d.cp) + sync(n_experts, d.expert_dp)
     comm = steps * sync_bytes / dp_link_bytes_s(job, role)
     if opts.overlap_grad_reduce:  # hidden behind the backward (2/3 of the math without recompute), what is left shows
         comm = max(0.0, comm - math_s * 2 / (3 + extra_fwd))
     return StageTime(name, compute + comm, f"{flops:.3g} FLOP at {eff('train_mfu'):.0%} MFU ({seq:.0f} tokens/row), "
-                                           f"TP/PP comm {mp_comm:.1f} s, bubble p={d.pp} m={m} v={opts.vpp}; {steps} "
+                                           f"TP/PP comm {mp_comm:.1f} s"
+                                           + (f", EP alltoall {a2a:.1f} s" if a2a else "")
+                                           + f", bubble p={d.pp} m={m} v={opts.vpp}; {steps} "
                                            f"optimizer steps, grad sync {comm:.2f} s",
-                     (("compute", math_s), ("TP/PP comm", mp_comm), ("pipeline bubble", compute - math_s - mp_comm),
-                      ("DP grad sync", comm)))
+                     (("compute", math_s), ("TP/PP comm", mp_comm), ("EP alltoall", a2a),
+                      ("pipeline bubble", compute - math_s - mp_comm - a2a), ("DP grad sync", comm)))
 
 
 def transition_link_bytes_s(job: Job) -> float:
-    """Ranks that exchange layers are in different PP stages (stride t*cp*dp) or in one generation TP group."""
+    """Ranks that exchange layers are in different PP stages (stride t*cp*dp), in one generation TP group, or (an
+    expert held elsewhere) in one EP group of ep*etp consecutive ranks (every expert-DP replica holds all experts,
+    so the nearest copy is inside the EP group)."""
     d = job.roles["actor"].dims
-    across = (d.pp > 1 and d.tp * d.cp * d.dp >= job.gpus_per_node) or job.t_g > job.gpus_per_node
+    across = ((d.pp > 1 and d.tp * d.cp * d.dp >= job.gpus_per_node) or job.t_g > job.gpus_per_node
+              or d.ep * d.expert_tp > job.gpus_per_node)
     return job.device.internode_bytes_s * eff("internode_link") if across else job.device.nvlink_bytes_s * eff("link")
 
 
+def transition_recv_bytes(job: Job) -> float:
+    """Per-rank receive volume of the weight sync. Dense tensors: optimal_recv_bytes over (t, p). Routed experts:
+    a rank trains E/ep experts of its stage, each split over etp, and generates with every expert split over t_g;
+    the shards it already holds and keeps are its experts' slices: X/(p*ep*max(etp, t_g)), i.e. the same closed form
+    with ep splitting like a pipeline stage (another axis than the tensor split)."""
+    d, shape, e = job.roles["actor"].dims, job.roles["actor"].shape, elem_bytes(job)
+    experts = routed_expert_params(shape) * e
+    dense = M.total_params(shape) * e - experts
+    recv = optimal_recv_bytes(dense, d.tp, d.pp, job.t_g)
+    if experts:
+        recv += optimal_recv_bytes(experts, d.expert_tp, d.pp * d.ep, job.t_g)
+    return recv
+
+
 def transition(job: Job) -> StageTime:
-    d, shape = job.roles["actor"].dims, job.roles["actor"].shape
-    model_bytes = M.total_params(shape) * elem_bytes(job)
-    recv = optimal_recv_bytes(model_bytes, d.tp, d.pp, job.t_g)
+    recv = transition_recv_bytes(job)
     sec = recv / transition_link_bytes_s(job)
     return StageTime("transition", sec, f"{recv / 1e9:.2f} GB received per GPU at "
                                         f"{transition_link_bytes_s(job) / 1e9:.3g} GB/s")
@@ -239,13 +313,26 @@ class DecodeModel:
 
     peak_flops: float
     hbm_bytes_s: float
-    matmul_params_rank: float  # matmul parameters on one generation rank (the weights read per step)
+    matmul_params_rank: float  # matmul parameters one token runs through, on one generation rank (the FLOPs)
     elem: int
     kv_bytes_per_token: float  # one token's K and V over all layers, on one rank
     layers: int
     hidden: int
     t_g: int
     tp_link_bytes_s: float
+    # MoE: every routed expert's parameters on one rank, and the router's E and k; a step reads the experts its
+    # batch touches (memory.expected_experts_touched) besides the rest of matmul_params_rank
+    expert_params_rank: float = 0.0
+    num_experts: int = 0
+    topk: int = 0
+
+    def weights_read(self, batch: int) -> float:
+        """Matmul parameters one decode step reads on one rank at `batch` running sequences."""
+        if not self.num_experts:
+            return self.matmul_params_rank
+        per_expert = self.expert_params_rank / self.num_experts
+        touched = M.expected_experts_touched(self.num_experts, self.topk, batch)
+        return self.matmul_params_rank - self.topk * per_expert + touched * per_expert
 
     def step_s(self, batch: int, kv_tokens: float) -> float:
         """One decode step at `batch` running sequences whose contexts sum to `kv_tokens`: the linear layers (the
@@ -253,7 +340,7 @@ class DecodeModel:
         the TP all-reduces (2 per layer: latency + bytes) and vLLM's per-step CPU work."""
         hbm = self.hbm_bytes_s * eff("decode_hbm")
         gemm = max(2 * self.matmul_params_rank * cuda_graph_batch(batch) / (self.peak_flops * eff("decode_gemm_mfu")),
-                   self.matmul_params_rank * self.elem / hbm)
+                   self.weights_read(batch) * self.elem / hbm)
         attn = kv_tokens * self.kv_bytes_per_token / hbm
         allreduce = 0.0
         if self.t_g > 1:
@@ -316,7 +403,8 @@ def generation(job: Job) -> StageTime:
     fits_kv = int(job.kv_cache_bytes // (kv_tok * (prompt + job.lengths.sample_mean())))
     slots = max(1, min(per_replica, job.options.max_num_seqs, fits_kv))
     model = DecodeModel(dev.peak_flops, dev.hbm_bytes_s, matmul_params(shape) / t_g, e, kv_tok, shape.num_layers,
-                        shape.hidden_size, t_g, link_bytes_s(job, t_g))
+                        shape.hidden_size, t_g, link_bytes_s(job, t_g), routed_expert_params(shape) / t_g,
+                        shape.num_experts, shape.moe_topk)
     # The batch's lengths, dealt to the replicas in arrival order; generation ends with the slowest replica (the one
     # holding the batch's longest responses), which every other replica then waits for.
     every = job.lengths.sample(job.sequences)
