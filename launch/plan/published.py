@@ -23,7 +23,8 @@ MEASURED_DIR = REPO / "docs" / "measured"
 SOURCES = {
     "hybridflow-paper": "HybridFlow paper, arXiv 2409.19256 (§8; FACTS.md)",
     "verl": "verl published perf/throughput, v0.6.0, 8 H100 (FACTS.md)",
-    "nemo-rl": "NeMo-RL docs/about/performance-summary.md, H100 BF16 tables of v0.4 and v0.5 (github NVIDIA-NeMo/RL)",
+    "nemo-rl": "NeMo-RL docs/about/performance-summary.md, H100 BF16 tables of v0.4, v0.5 and v0.6 (github "
+               "NVIDIA-NeMo/RL)",
     "measured": "docs/measured/*.json: our own runs",
 }
 
@@ -59,7 +60,10 @@ BEYOND_TARGET = {
             "responses the plan stays at 1,450-1,760 (PPO) and 3,280-3,390 (GRPO) tokens/GPU/s, so the published "
             "step ran 1.4-1.5x slower than the planner's Megatron estimate. Nothing in EFFICIENCY was set by looking "
             "at verl: tuning train_mfu to 0.30 would bring both inside 25%, with no source for 0.30",
-    "nemo-rl": "not counted: NeMo-RL's refit, Ray dispatch and per-stage set-up; every row is predicted short",
+    "nemo-rl": "not counted: NeMo-RL's refit, Ray dispatch and per-stage set-up; every row is predicted short. The "
+               "MoE row (Qwen3-30B-A3B) also plans its 128 experts of width 768, run as sequential GEMMs at v0.6.0, "
+               "at the dense train_mfu (40%), and routing as uniform (aux loss off: the busiest expert's rank sets "
+               "the pace): both are upper bounds on speed, and no source gives their MoE values",
     "hybridflow-paper": "the paper's testbed inter-node efficiency is read from its own transition figures",
 }
 VERL_ASSUMED = ("prompt mean 105 (verl quickstart log); ASSUMED responses mean 250, p99 600; packed (remove_padding), "
@@ -76,9 +80,10 @@ VERL_ASSUMED = ("prompt mean 105 (verl quickstart log); ASSUMED responses mean 2
 NEMO_OPTIONS = dict(gpu="h100", packing="packed", max_num_seqs=1024, prompt_length_mean=120)
 
 
-def nemo_overrides(model: str, nodes: int, t: int, p: int, t_g: int, logprob_micro: int) -> list[str]:
+def nemo_overrides(model: str, nodes: int, t: int, p: int, t_g: int, logprob_micro: int, ep: int = 1) -> list[str]:
     a = "actor_rollout_ref"
-    m = [f"tensor_model_parallel_size={t}", f"pipeline_model_parallel_size={p}", f"sequence_parallel={t > 1}"]
+    m = [f"tensor_model_parallel_size={t}", f"pipeline_model_parallel_size={p}", f"sequence_parallel={t > 1}",
+         f"expert_model_parallel_size={ep}"]
     out = ["data.train_batch_size=64", "data.max_prompt_length=512", "data.max_response_length=3584",
            f"{a}.model.path=models/{model}", f"{a}.model.dtype=bfloat16", f"{a}.rollout.n=32",
            f"{a}.rollout.tensor_model_parallel_size={t_g}", f"{a}.rollout.response_length=3584",
@@ -94,16 +99,22 @@ def nemo_overrides(model: str, nodes: int, t: int, p: int, t_g: int, logprob_mic
     return out
 
 
-# (case, model, nodes, t, p, t_g, logprob micro, activation checkpointing, mean response, published step s, row)
+# (case, model, nodes, t, p, ep, t_g, logprob micro, activation checkpointing, mean response, published step s, row)
 NEMO_ROWS = [
-    ("Llama-3.1-8B GRPO on-policy, 16 H100 (v0.5)", "Llama-3.1-8B-Instruct", 2, 1, 2, 1, 2, True, 1019, 92.8,
+    ("Llama-3.1-8B GRPO on-policy, 16 H100 (v0.5)", "Llama-3.1-8B-Instruct", 2, 1, 2, 1, 1, 2, True, 1019, 92.8,
      "v0.5 H100 BF16 row: avg gen 1,019, 1,581 tokens/s/GPU, 92.8 s"),
-    ("Qwen3-32B GRPO on-policy, 32 H100 (v0.5)", "Qwen3-32B", 4, 4, 4, 4, 4, False, 3251, 376.0,
+    ("Qwen3-32B GRPO on-policy, 32 H100 (v0.5)", "Qwen3-32B", 4, 4, 4, 1, 4, 4, False, 3251, 376.0,
      "v0.5 H100 BF16 row: avg gen 3,251, 571 tokens/s/GPU, 376 s"),
-    ("Llama-3.1-8B GRPO on-policy, 16 H100 (v0.4)", "Llama-3.1-8B-Instruct", 2, 1, 2, 1, 2, True, 1060, 97.7,
+    ("Llama-3.1-8B GRPO on-policy, 16 H100 (v0.4)", "Llama-3.1-8B-Instruct", 2, 1, 2, 1, 1, 2, True, 1060, 97.7,
      "v0.4 row: avg gen 1,060, 1,562 tokens/s/GPU, 97.7 s"),
-    ("Qwen3-32B GRPO on-policy, 32 H100 (v0.4)", "Qwen3-32B", 4, 4, 4, 4, 4, False, 3206, 393.0,
+    ("Qwen3-32B GRPO on-policy, 32 H100 (v0.4)", "Qwen3-32B", 4, 4, 4, 1, 4, 4, False, 3206, 393.0,
      "v0.4 row: avg gen 3,206, 540 tokens/s/GPU, 393 s"),
+    # The MoE row (v0.6 table; the recipe at tag v0.6.0, examples/configs/recipes/llm/performance/
+    # grpo-qwen3-30ba3b-4n8g.yaml): training [TP, CP, EP, PP] = [1, 1, 8, 1], no sequence parallel, micro-batch 1,
+    # logprob_batch_size 4, vLLM TP2, no activation checkpointing (grpo_math_1B.yaml's default). Its experts run
+    # Megatron's default (sequential) GEMMs at that tag (moe_grouped_gemm was switched on in the recipe after it).
+    ("Qwen3-30B-A3B GRPO on-policy, 32 H100 (v0.6)", "Qwen3-30B-A3B", 4, 1, 1, 8, 2, 4, False, 3203, 192.0,
+     "v0.6 H100 BF16 row: avg gen 3,203, 1,102 tokens/s/GPU, 192 s"),
 ]
 
 # The paper's testbed (§8.1): 16 machines x 8 A100-80GB, NVLink inside a machine, 200 Gb/s between machines.
@@ -203,11 +214,12 @@ def verl_cases() -> list[dict]:
 
 def nemo_cases() -> list[dict]:
     out = []
-    for name, model, nodes, t, p, t_g, lp_micro, ckpt, mean, step, row in NEMO_ROWS:
+    for name, model, nodes, t, p, ep, t_g, lp_micro, ckpt, mean, step, row in NEMO_ROWS:
         opts = Options(**NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
-        plan = plan_overrides(nemo_overrides(model, nodes, t, p, t_g, lp_micro), opts)
+        plan = plan_overrides(nemo_overrides(model, nodes, t, p, t_g, lp_micro, ep), opts)
         out.append(case("nemo-rl", f"NeMo-RL {name} (step s)", plan.step_s, step, "seconds per step",
-                        f"{row}; gen TP{t_g}, train TP{t} PP{p}, {'activation checkpointing, ' if ckpt else ''}"
+                        f"{row}; gen TP{t_g}, train TP{t} PP{p}{f' EP{ep}' if ep > 1 else ''}, "
+                        f"{'activation checkpointing, ' if ckpt else ''}"
                         f"response mean {mean} (published), ASSUMED prompt 120 and p99 at the budget"))
     return out
 
