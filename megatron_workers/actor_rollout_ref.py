@@ -23,6 +23,7 @@ import torch
 from hybridflow.config.schema import ActorRolloutRefConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.moe_routing import ROUTED_EXPERTS
 from megatron_workers.engine import agg_count, as_config, build_role_engine, init_megatron, mesh_coords, micro_agg_mode
 from megatron_workers.offload import Offloader, make_offloader
 from megatron_workers.perf import UpdatePerf
@@ -111,11 +112,17 @@ class ActorRolloutRefWorker(RolloutRole, WeightSenderRole, Worker):
 
     # ------------------------------------------------------------------ log-probs
 
+    def _replaying(self) -> bool:
+        """Routing replay (actor.router_replay.mode=R3): the actor's forwards take the rollout's experts."""
+        return self.config.actor.router_replay.mode == "R3"
+
     def _logprobs(self, engine, data: DataProto, micro_batch_size: int,
-                  max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  max_tokens: int | None = None, replay: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         response_length = data.batch["responses"].shape[1]
         temperature = float(data.meta_info.get("temperature", self.config.rollout.temperature))
         batch = {k: data.batch[k] for k in ("input_ids", "attention_mask")}
+        if replay:
+            batch[ROUTED_EXPERTS] = _routed(data)
 
         def post(logits, micro):
             lp, ent = response_logprobs(logits, micro, response_length, engine.hf_vocab_size, temperature)
@@ -132,7 +139,8 @@ class ActorRolloutRefWorker(RolloutRole, WeightSenderRole, Worker):
         r = self.config.rollout
         budget = r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None
         with self.actor_offload.resident():
-            log_prob, entropy = self._logprobs(self.actor, data, r.log_prob_micro_batch_size_per_gpu, budget)
+            log_prob, entropy = self._logprobs(self.actor, data, r.log_prob_micro_batch_size_per_gpu, budget,
+                                               replay=self._replaying())
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
         # perf/* in meta_info: the driver's step lifts it into the step's metrics (a key per stage, so the
         # union of several stages' outputs into one batch never clashes).
@@ -209,6 +217,9 @@ class ActorRolloutRefWorker(RolloutRole, WeightSenderRole, Worker):
             keys.append("ref_log_prob")
         if "rollout_is_weights" in data.batch:  # algorithm.rollout_correction (decoupled): the driver's weights
             keys.append("rollout_is_weights")
+        if self._replaying():
+            _routed(data)
+            keys.append(ROUTED_EXPERTS)
         missing = [k for k in keys if k not in data.batch]
         if missing:
             raise KeyError(f"update_actor: batch lacks {missing} (has {sorted(data.batch)})")
@@ -277,3 +288,11 @@ class ActorRolloutRefWorker(RolloutRole, WeightSenderRole, Worker):
     def _main_engine(self):
         """The actor (with its offloader) if this worker has one, else the ref model."""
         return (self.actor, self.actor_offload) if self.actor is not None else (self.ref, self.ref_offload)
+
+
+def _routed(data: DataProto) -> torch.Tensor:
+    """The rollout's recorded experts (routing replay), or an error that says which keys record them."""
+    if ROUTED_EXPERTS not in data.batch:
+        raise KeyError(f"actor.router_replay.mode=R3, but the batch has no {ROUTED_EXPERTS!r}: the rollout records "
+                       "them with actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+    return data.batch[ROUTED_EXPERTS]

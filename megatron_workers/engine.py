@@ -73,6 +73,8 @@ logger = logging.getLogger(__name__)
 PostFn = Callable[[torch.Tensor, dict], dict]
 LossFn = Callable[[torch.Tensor, dict], tuple]
 PACKED_KEYS = ("packed_input_ids", "packed_mask", "pack_index")
+# Routing replay's input (the rollout's expert choices per token); see _replay_routing.
+from hybridflow.rollout.moe_routing import ROUTED_EXPERTS  # noqa: E402
 
 
 def unpack_tokens(values: torch.Tensor, micro: dict) -> torch.Tensor:
@@ -149,6 +151,14 @@ class MegatronEngine:
         self.scheduler = scheduler
         self.nonfinite = NonFiniteGuard("train_step")  # the worker names its stage (update_actor, ...)
         self.config = get_model_config(model[0])  # megatron's chunks share one TransformerConfig
+        # MoE: routed tokens per expert (and megatron's aux loss) over each update (megatron_workers/moe_stats.py)
+        self.moe_meter = None
+        self._routers = {}  # id(chunk) -> [(global layer number, TopKRouter)]: routing replay's targets
+        if getattr(self.config, "num_moe_experts", None):
+            from megatron_workers.moe_stats import RouterMeter, moe_routers
+
+            self.moe_meter = RouterMeter(self.model)
+            self._routers = {id(chunk): moe_routers([chunk]) for chunk in self.model}
         if self.config.timers is None:  # forward/backward ranges on timeline steps (megatron_workers/profiling.py)
             self.config.timers = ScheduleRanges()
         self.module = _unwrap(model[-1])  # the GPTModel holding the output layer on the last stage (DDP unwrapped)
@@ -243,6 +253,8 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
+            if ROUTED_EXPERTS in micro:
+                self._replay_routing(micro, model)
             ids = micro["packed_input_ids"].to(device)
             positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
             # attention_mask=None: plain causal attention, padding is behind every valid token.
@@ -256,6 +268,7 @@ class MegatronEngine:
         data = iter(micro_batches) if self.vpp_size == 1 else [iter(micro_batches) for _ in self.model]
         saved = self.config.variable_seq_lengths
         self.config.variable_seq_lengths = saved or variable
+        replaying = any(ROUTED_EXPERTS in m for m in micro_batches)
         try:
             get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -268,6 +281,44 @@ class MegatronEngine:
             )
         finally:
             self.config.variable_seq_lengths = saved
+            if replaying:
+                for routers in self._routers.values():
+                    for _, router in routers:
+                        router.router_replay.clear_router_replay_action()
+                        router.router_replay.clear_indices()
+
+    def _replay_routing(self, micro: dict, chunk) -> None:
+        """Routing replay (verl's R3): this micro-batch's MoE layers route each token to the experts the rollout
+        chose for it (`routed_experts`, (B, S, layers, k) over the batch's columns, -1 where the rollout recorded
+        none), instead of their own top-k; the gate weights are the router's own probabilities of those experts.
+        Set right before the chunk's forward, for the routers on this chunk (megatron's RouterReplay)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        routers = self._routers.get(id(chunk), [])
+        if not routers:
+            if self.moe_meter is None:
+                raise ValueError(f"the batch has {ROUTED_EXPERTS!r} (routing replay) but the model has no MoE layers")
+            return
+        routed = micro[ROUTED_EXPERTS].to(torch.long)
+        layers, k = routed.shape[2], routed.shape[3]
+        index = micro["pack_index"]
+        packed = torch.gather(routed, 1, index[:, :, None, None].expand(-1, -1, layers, k))
+        # Tokens the rollout did not route (padding slots, a row's last token, which only predicts past the
+        # response) take experts 0..k-1: their outputs feed no log-prob (padding sits behind every valid token).
+        valid = micro["packed_mask"][:, :, None, None] & (packed >= 0).all(dim=-1, keepdim=True)
+        packed = torch.where(valid, packed, torch.arange(k))
+        tokens = packed.transpose(0, 1)  # megatron's hidden states are [s, b, h]: token s*b + row
+        if self.config.sequence_parallel:  # each TP rank routes its own slice of the sequence
+            from megatron.core import parallel_state as ps
+
+            tokens = tokens.chunk(self.tp_size, dim=0)[ps.get_tensor_model_parallel_rank()]
+        flat = tokens.reshape(-1, layers, k)
+        device = next(chunk.parameters()).device
+        for layer, router in routers:
+            if layer > layers:
+                raise ValueError(f"{ROUTED_EXPERTS} covers {layers} layers; the model routes at layer {layer}")
+            router.router_replay.set_target_indices(flat[:, layer - 1].contiguous().to(device))
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _interleave_padding(self, num_micro: int) -> int:
         """Micro-batches to add so megatron 0.16's interleaved schedule accepts the count: it runs them in
@@ -385,6 +436,8 @@ class MegatronEngine:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.moe_meter is not None:
+            self.moe_meter.reset()
         self._run(micro_batches, forward_only=False, make_loss=make_loss)
         lr = self.scheduler.current_lr() if self.scheduler is not None else float("nan")
         # fp32/bf16 have no grad scaler to skip a non-finite step (fp16's found_inf does): check first.
@@ -412,6 +465,8 @@ class MegatronEngine:
         metrics["padding_fraction"] = padding
         metrics["num_micro_batches"] = float(num_micro)  # what ran, token-budget packing and DP max included
         metrics["nonfinite_skipped"] = float(not update_ok)  # ours, or megatron's fp16 found_inf
+        if self.moe_meter is not None:
+            metrics.update(self.moe_meter.metrics())
         return metrics
 
 

@@ -213,6 +213,9 @@ def _moe_fields(facts: HFModelFacts, dims: ParallelDims, megatron_cfg) -> dict:
         moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
         moe_aux_loss_coeff=coeff,
         moe_grouped_gemm=False,  # sequential experts: portable and exact; TE's grouped GEMM is a GPU-only choice
+        # Gives each router a RouterReplay slot; it routes as usual until the engine hands it a rollout's
+        # choices (routing replay, megatron_workers/engine.py _replay_routing), so it costs nothing otherwise.
+        moe_enable_routing_replay=True,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.expert_tp,
     )

@@ -52,7 +52,9 @@ class RolloutRole:
             from hybridflow.rollout.hf_rollout import HFRollout
 
             dtype = resolve_local(self.config.model.dtype, "actor_rollout_ref.model.dtype")
-            self.rollout = HFRollout(path, cfg, dtype=dtype)
+            router = self.config.actor.megatron.override_transformer_config.moe_router_dtype
+            self.rollout = HFRollout(path, cfg, dtype=dtype,
+                                     router_dtype={"fp32": torch.float32, "fp64": torch.float64}[router])
             replica, replicas, tp_rank = self.rank, self.world_size, 0
         else:
             from hybridflow.rollout.base import ENGINES

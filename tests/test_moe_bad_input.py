@@ -19,6 +19,7 @@ from hybridflow.config.load import load_config
 
 pytestmark = [pytest.mark.moe, pytest.mark.bad_input]
 ACTOR = "actor_rollout_ref.actor.megatron"
+R3 = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,27 @@ CASES = {
     "negative_aux_loss": (
         [f"{ACTOR}.override_transformer_config.moe_aux_loss_coeff=-0.01"],
         rf"{ACTOR}.override_transformer_config.moe_aux_loss_coeff=-0.01 must be >= 0"),
+    "router_replay_r2": (
+        ["actor_rollout_ref.actor.router_replay.mode=R2"],
+        r"actor_rollout_ref.actor.router_replay.mode=R2 \(replaying the old-log-prob forward's own routing\) is not "
+        r"supported"),
+    "router_replay_typo": (
+        ["actor_rollout_ref.actor.router_replay.mode=r3"],
+        r"unknown actor_rollout_ref.actor.router_replay.mode='r3'; valid: disabled, R3"),
+    "replay_without_recording": (
+        ["actor_rollout_ref.actor.router_replay.mode=R3"],
+        r"router_replay.mode=R3 with actor_rollout_ref.rollout.enable_rollout_routing_replay=false: routing replay "
+        r"needs both"),
+    "recording_without_replay": (
+        ["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
+        r"router_replay.mode=disabled with actor_rollout_ref.rollout.enable_rollout_routing_replay=true"),
+    "replay_on_vllm": (
+        [*R3, "actor_rollout_ref.rollout.name=vllm"],
+        r"router_replay.mode=R3 needs actor_rollout_ref.rollout.name=hf"),
+    "replay_with_recompute": (
+        [*R3, f"{ACTOR}.override_transformer_config.recompute_granularity=selective",
+         f"{ACTOR}.override_transformer_config.attention_backend=unfused"],
+        r"router_replay.mode=R3 with .*recompute_granularity=selective: a recomputed forward would route by itself"),
     "tp_without_sp": (
         ["trainer.n_gpus_per_node=2", f"{ACTOR}.tensor_model_parallel_size=2"],
         rf"{ACTOR}: an MoE model at tensor_model_parallel_size=2 needs sequence_parallel=true"),
@@ -82,6 +104,15 @@ def test_ep_on_a_dense_model_names_the_key(files, tmp_path):
     dense = save_tiny_model(tmp_path / "dense")
     with pytest.raises(ValueError, match=rf"{ACTOR}: expert_model_parallel_size=2, .*the model is dense"):
         _validate(files, "trainer.n_gpus_per_node=2", f"{ACTOR}.expert_model_parallel_size=2", model=dense)
+
+
+def test_routing_replay_on_a_dense_model_is_refused(files, tmp_path):
+    from hybridflow.models.tiny import save_tiny_model
+
+    dense = save_tiny_model(tmp_path / "dense")
+    with pytest.raises(ValueError, match=r"router_replay.mode=R3: the actor model .* is dense; routing replay needs "
+                                         r"an MoE model"):
+        _validate(files, *R3, model=dense)
 
 
 def test_a_checkpoint_missing_an_expert_tensor_names_it(files, tmp_path):

@@ -98,6 +98,16 @@ class ModelConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """MoE routing replay (verl's actor.router_replay). R3: the actor's forwards (old log-probs and the update)
+    route each token to the experts the rollout chose for it, so training computes the log-probs of the very
+    experts that sampled the response. Needs rollout.enable_rollout_routing_replay=true (the rollout records
+    them). disabled: training routes by itself."""
+
+    mode: str = "disabled"  # disabled | R3
+
+
+@dataclass
 class ActorConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -122,6 +132,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # kl(k1) | abs | mse(k2) | low_var_kl(k3); "+" suffix (k3+): k2 gradient
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
 
 @dataclass
@@ -198,6 +209,8 @@ class RolloutConfig:
     # token-budget micro-batches for the old-log-prob pass; both follow the actor's keys unless set (as verl)
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int | None = 16384
+    # MoE: record each token's experts for routing replay (verl's key; with actor.router_replay.mode=R3)
+    enable_rollout_routing_replay: bool = False
     reshard_bucket_bytes: int = 64 * 1024 * 1024
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     # sync: one generate over the step's whole batch (the default). async: server mode, requests one at a time

@@ -12,6 +12,7 @@ distribution, the same quantity vLLM reports in "processed_logprobs" mode.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable
 
@@ -30,7 +31,7 @@ class HFRollout(Rollout):
 
     def __init__(self, model, config: RolloutConfig, *, pad_token_id: int | None = None,
                  eos_token_id: int | list[int] | None = None, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, router_dtype: torch.dtype = torch.float32):
         self.config = config
         if isinstance(model, str) or hasattr(model, "__fspath__"):
             from transformers import AutoModelForCausalLM
@@ -39,6 +40,13 @@ class HFRollout(Rollout):
         if device is not None:
             model = model.to(device)
         self.model = model.eval()
+        from hybridflow.rollout.moe_routing import RouterRecorder
+
+        # MoE: routers in the training's router dtype; with routing replay, their choices recorded per token
+        self.routing = RouterRecorder(model, router_dtype, record=bool(config.enable_rollout_routing_replay))
+        if config.enable_rollout_routing_replay and not self.routing.routers:
+            raise ValueError("actor_rollout_ref.rollout.enable_rollout_routing_replay=true, but the model has no MoE "
+                             "routers to record")
         gen_cfg = getattr(model, "generation_config", None)
         cfg = model.config
         self.pad_token_id = _first_set(pad_token_id, getattr(gen_cfg, "pad_token_id", None), cfg.pad_token_id)
@@ -98,6 +106,7 @@ class HFRollout(Rollout):
             kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p,
                           top_k=s.top_k if s.top_k > 0 else 0)
         seed = self._call_seed(s)
+        self.routing.start(next(self.model.parameters()).dtype)
         start = time.perf_counter()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -120,8 +129,14 @@ class HFRollout(Rollout):
         num_tokens = sum(len(r) for r in responses)
         self.last_stats = {"seconds": elapsed, "response_tokens": num_tokens,
                            "tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0}
-        return assemble_rollout_output(prompts, responses, log_probs if self.config.calculate_log_probs else None,
-                                       s.n, s.response_length, self.pad_token_id)
+        output = assemble_rollout_output(prompts, responses, log_probs if self.config.calculate_log_probs else None,
+                                         s.n, s.response_length, self.pad_token_id)
+        if self.routing.record:
+            from hybridflow.rollout.moe_routing import ROUTED_EXPERTS
+
+            output.batch[ROUTED_EXPERTS] = self.routing.routed_experts(generated.shape[0], ids.shape[1],
+                                                                        s.response_length, generated.shape[1])
+        return output
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named full tensors into the model. Unknown names are an error; missing ones keep
@@ -130,13 +145,38 @@ class HFRollout(Rollout):
         params.update(dict(self.model.named_buffers()))
         with torch.no_grad():
             for name, tensor in named_tensors:
-                if name not in params:
+                target = params[name] if name in params else _fused_expert_view(name, params)
+                if target is None:
                     raise KeyError(f"HFRollout.load_weights: no parameter named {name!r} in the model")
-                target = params[name]
                 if target.shape != tensor.shape:
                     raise ValueError(f"HFRollout.load_weights: {name!r} has shape {tuple(target.shape)}, "
                                      f"got {tuple(tensor.shape)}")
                 target.copy_(tensor)
+
+
+# A checkpoint's per-expert tensor (what hf_mapping and the weight sync speak): layer, block, expert, projection.
+_EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                            r"(gate_proj|w1|up_proj|w3|down_proj|w2)\.weight$")
+
+
+def _fused_expert_view(name: str, params: dict) -> torch.Tensor | None:
+    """Where a checkpoint-format MoE tensor lives in a transformers >= 5 model, which holds each layer's experts
+    fused: `mlp.experts.gate_up_proj` [E, 2*ffn, hidden] (gate rows, then up rows) and `mlp.experts.down_proj`
+    [E, hidden, ffn], and Mixtral's `block_sparse_moe.*` under `mlp.*` (checked against from_pretrained in
+    tests/test_moe_rollout.py). None: no such parameter."""
+    m = _EXPERT_TENSOR.match(name)
+    if m is None:
+        renamed = name.replace(".block_sparse_moe.", ".mlp.")
+        return params.get(renamed) if renamed != name else None
+    layer, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj in ("down_proj", "w2"):
+        fused = params.get(f"{layer}.mlp.experts.down_proj")
+        return None if fused is None else fused[expert]
+    fused = params.get(f"{layer}.mlp.experts.gate_up_proj")
+    if fused is None:
+        return None
+    half = fused.shape[1] // 2
+    return fused[expert, :half] if proj in ("gate_proj", "w1") else fused[expert, half:]
 
 
 def _first_set(*values):

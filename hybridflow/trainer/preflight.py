@@ -180,6 +180,9 @@ def validate(cfg: HybridFlowConfig) -> None:
     from hybridflow.config.async_checks import validate_async
 
     validate_async(cfg, place)
+    from hybridflow.config.moe_checks import validate_moe
+
+    validate_moe(cfg, actor_hf)
     _validate_ref(cfg, place, actor_hf)
     checks.counts(cfg, ("data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_epochs",
                         *(f"actor_rollout_ref.{k}" for k in ("actor.ppo_mini_batch_size",
