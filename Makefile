@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-$(shell cksum setup.py | cut -d' ' -f1)
 PYTEST_ARGS ?=
 CONFIG ?= configs/ppo_tiny_cpu.yaml
 
-.PHONY: install test lint demo demo-grpo demo-agent bench docs clean
+.PHONY: install test lint demo demo-grpo demo-agent demo-moe bench docs clean
 
 install: $(STAMP)
 
@@ -50,6 +50,11 @@ demo-grpo: $(STAMP)
 demo-agent: $(STAMP)
 	$(PY) -m hybridflow.trainer.warmstart_agent --out runs/demo_agent_assets
 	$(PY) -m hybridflow.trainer.main --config configs/grpo_agent_tiny_cpu.yaml
+
+# A tiny Qwen3-MoE (8 experts, top-2) at expert parallel 2 learns the demo task (docs/moe.md).
+demo-moe: $(STAMP)
+	$(PY) -m hybridflow.trainer.warmstart --out runs/moe_demo_assets --arch qwen3_moe
+	$(PY) -m hybridflow.trainer.main --config configs/grpo_moe_tiny_cpu.yaml
 
 bench: $(STAMP)
 	$(PY) launch/bench_controller.py
