@@ -19,6 +19,15 @@ Either way every rank's generation shard and training shard nest, which makes th
 per rank the minimum M/t_g - M_s/max(t, t_g) (M_s: bytes of the rank's own pipeline stage;
 M/t_g - M/(p*max(t, t_g)) with equal stages; the paper's (t - t_g)/(t_g*t)*M for p = 1, t_g <= t).
 
+Experts (MoE): an expert's weights live in the expert mesh, not the dense one. Megatron gives each
+expert-parallel (EP) rank E/ep whole experts and splits each over the expert-TP group (etp, not tp),
+ranks ordered etp-ep-edp-pp (`ParallelDims.expert_coords`). A spec says so with `ep_owner` (the EP
+rank whose ranks hold it); it is then held by the ranks of that EP rank on its stage, split over
+etp, and by no other rank. The generation side is unchanged: vLLM TP needs every expert on every
+rank, each split on its FFN dim like a dense MLP. The routing below does not care which mesh a slice
+comes from, so experts are planned by the same loop and every rank again receives exactly what it
+needs minus what it holds; experts do not nest with the generation shards, so no closed form.
+
 Index space: a parameter's rows are counted along its `partition_dim` in the full (TP = 1)
 Megatron tensor, vocab padding included. A shard is an ordered tuple of intervals in that space
 (see intervals.py); `partition_stride=2` (fc1 = [gate; up]) makes it two intervals.
@@ -52,6 +61,9 @@ class ParamSpec:
     valid_size     rows along partition_dim that are real (the unpadded vocab); None: all
     gen_pad_multiple  the generation engine pads valid_size up to this multiple and splits the
                    result evenly by t_g (vLLM's vocab-parallel layers pad to 64); 1: no padding
+    ep_owner       None: the dense mesh (every rank of the stage holds it, split over tp). An int:
+                   an expert's weight, held only by the ranks with this expert-parallel rank and
+                   split over the expert-TP size etp (`train_split`)
     """
 
     name: str
@@ -63,6 +75,7 @@ class ParamSpec:
     pp_stage: int = 0
     valid_size: int | None = None
     gen_pad_multiple: int = 1
+    ep_owner: int | None = None
 
     @property
     def length(self) -> int:
@@ -77,6 +90,10 @@ class ParamSpec:
     @property
     def nbytes(self) -> int:
         return prod(self.full_shape) * self.dtype_bytes
+
+    def train_split(self, train: ParallelDims) -> int:
+        """The TP size the training shards are split over: tp, or etp for an expert's weight."""
+        return train.tp if self.ep_owner is None else train.expert_tp
 
     def train_layout(self, tp_rank: int, t: int) -> Intervals:
         """Rows the training rank with TP rank `tp_rank` holds (padding rows included)."""
@@ -107,14 +124,17 @@ class ParamSpec:
             raise LayoutError(f"{where}: pp_stage={self.pp_stage} outside pipeline size {train.pp}")
         if self.full_shape and not 0 <= self.partition_dim < len(self.full_shape):
             raise LayoutError(f"{where}: partition_dim={self.partition_dim} out of range")
+        if self.ep_owner is not None and not 0 <= self.ep_owner < train.ep:
+            raise LayoutError(f"{where}: ep_owner={self.ep_owner} outside expert parallel size {train.ep}")
         if not self.tensor_parallel:
             return
         stride = self.partition_stride
         if stride < 1:
             raise LayoutError(f"{where}: partition_stride={stride} must be >= 1")
-        if self.length % (stride * train.tp) != 0:
+        t, t_name = (train.tp, "tp") if self.ep_owner is None else (train.expert_tp, "etp")
+        if self.length % (stride * t) != 0:
             raise LayoutError(f"{where}: dim {self.partition_dim} = {self.length} is not divisible by "
-                              f"partition_stride*tp = {stride}*{train.tp}")
+                              f"partition_stride*{t_name} = {stride}*{t}")
         if self.valid_size is None:
             if self.length % (stride * gen.tp) != 0:
                 raise LayoutError(f"{where}: dim {self.partition_dim} = {self.length} is not divisible by "
@@ -141,6 +161,18 @@ class RankPlacement:
     pp: int
     replica: int  # generation replica (which vLLM engine instance / micro-DP slot)
     gen_tp: int  # rank inside its generation TP group
+    ep: int = 0  # the expert mesh (ParallelDims.expert_coords): expert-parallel rank
+    etp: int = 0  # and expert-TP rank
+
+
+def train_slice(pl: RankPlacement, spec: ParamSpec) -> int | None:
+    """Which training TP slice of `spec` the rank holds (its TP rank, or its expert-TP rank for an expert's
+    weight); None: none (another pipeline stage, or another EP rank's expert)."""
+    if pl.pp != spec.pp_stage:
+        return None
+    if spec.ep_owner is None:
+        return pl.tp
+    return pl.etp if pl.ep == spec.ep_owner else None
 
 
 @dataclass(frozen=True)
@@ -186,11 +218,9 @@ class ReshardPlan:
             raise KeyError(f"parameter {name!r} is not in the resharding plan") from None
 
     def holds(self, rank: int, spec: ParamSpec) -> Intervals:
-        """Rows of `spec` in `rank`'s training shard; () if the parameter lives on another stage."""
-        pl = self.placements[rank]
-        if pl.pp != spec.pp_stage:
-            return ()
-        return spec.train_layout(pl.tp, self.train.tp)
+        """Rows of `spec` in `rank`'s training shard; () if the parameter lives on another stage or EP rank."""
+        i = train_slice(self.placements[rank], spec)
+        return () if i is None else spec.train_layout(i, spec.train_split(self.train))
 
     def needs(self, rank: int, spec: ParamSpec) -> Intervals:
         return spec.gen_layout(self.placements[rank].gen_tp, self.gen.tp)
@@ -251,7 +281,8 @@ def place_ranks(
         else:
             k = t_g // t
             replica, gen_tp = g // k, c["tp"] * k + g % k
-        placements.append(RankPlacement(rank, c["tp"], c["cp"], c["dp"], c["pp"], replica, gen_tp))
+        e = train.expert_coords(rank)
+        placements.append(RankPlacement(rank, c["tp"], c["cp"], c["dp"], c["pp"], replica, gen_tp, e["ep"], e["etp"]))
     groups = [[-1] * t_g for _ in range(train.world_size // t_g)]
     for pl in placements:
         groups[pl.replica][pl.gen_tp] = pl.rank
@@ -275,30 +306,35 @@ def plan_resharding(
     placements, groups = place_ranks(train, gen)
 
     world = train.world_size
-    # Holders of each training slice: (pp stage, tp rank) -> world ranks (all cp and dp replicas).
-    holders: dict[tuple[int, int], list[int]] = defaultdict(list)
+    # Holders of each training slice: (pp stage, owner, slice) -> world ranks. Dense slices (owner None)
+    # are TP ranks, held by all cp and dp replicas; an expert's (owner = its EP rank) are expert-TP ranks,
+    # held by the expert-DP replicas of that EP rank.
+    holders: dict[tuple[int, int | None, int], list[int]] = defaultdict(list)
     for pl in placements:
-        holders[(pl.pp, pl.tp)].append(pl.rank)
+        holders[(pl.pp, None, pl.tp)].append(pl.rank)
+        holders[(pl.pp, pl.ep, pl.etp)].append(pl.rank)
 
     sent = [0] * world
     transfers: list[Transfer] = []
     for spec in specs:
         # Candidate sources per owned slice of this parameter: each slice with the ranks holding it.
+        n = spec.train_split(train)
         if spec.tensor_parallel:
-            owners = [(spec.train_layout(i, train.tp), holders[(spec.pp_stage, i)]) for i in range(train.tp)]
+            owners = [(spec.train_layout(i, n), holders[(spec.pp_stage, spec.ep_owner, i)]) for i in range(n)]
         else:
-            stage_ranks = sorted(r for i in range(train.tp) for r in holders[(spec.pp_stage, i)])
+            stage_ranks = sorted(r for i in range(n) for r in holders[(spec.pp_stage, spec.ep_owner, i)])
             owners = [(((0, spec.length),), stage_ranks)]
         need_by_j = [spec.gen_layout(j, gen.tp) for j in range(gen.tp)]
-        hold_by_i = [spec.train_layout(i, train.tp) for i in range(train.tp)]
-        # Ranks with the same (stage, tp, gen_tp) miss the same pieces: work them out once.
-        pieces_by_kind: dict[tuple[int, int, int], list] = {}
+        hold_by_i = [spec.train_layout(i, n) for i in range(n)]
+        # Ranks holding the same slice (None: none) with the same gen_tp miss the same pieces: work them out once.
+        pieces_by_kind: dict[tuple[int | None, int], list] = {}
         per_pair: dict[tuple[int, int], list] = defaultdict(list)
         for dst in range(world):
             pl = placements[dst]
-            kind = (pl.pp == spec.pp_stage, pl.tp, pl.gen_tp)
+            held = train_slice(pl, spec)
+            kind = (held, pl.gen_tp)
             if kind not in pieces_by_kind:
-                missing = subtract(need_by_j[pl.gen_tp], hold_by_i[pl.tp] if kind[0] else ())
+                missing = subtract(need_by_j[pl.gen_tp], hold_by_i[held] if held is not None else ())
                 found = []
                 for owned, candidates in owners if missing else ():
                     pieces = intersect(missing, owned)
