@@ -200,3 +200,32 @@ def test_expert_specs_carry_owner_and_etp_scaled_shape():
 def test_bad_expert_specs_fail_with_the_numbers(spec, message):
     with pytest.raises(LayoutError, match=re.escape(message)):
         plan_resharding(ParallelDims(tp=2, sp=True, dp=2, ep=2, etp=2), GenerationDims(tp=1), [spec])
+
+
+def test_vllm_side_refuses_what_the_plan_does_not_cover():
+    """An engine that splits experts otherwise than 1/t_g (vLLM DP flattens expert TP across replicas, or EP), and the
+    GPU direct copy for MoE, are refused with the reason instead of loading the wrong slices."""
+    from types import SimpleNamespace
+
+    from hybridflow.resharding.vllm_layout import check_vllm_expert_split, load_into_vllm
+
+    def engine(tp_size, use_ep=False):
+        layer = torch.nn.Module()
+        layer.w13_weight = torch.nn.Parameter(torch.zeros(1, device="meta"))
+        layer.moe_config = SimpleNamespace(moe_parallel_config=SimpleNamespace(tp_size=tp_size, use_ep=use_ep))
+        model = torch.nn.Module()
+        model.experts = layer
+        return model
+
+    check_vllm_expert_split(engine(2), t_g=2)
+    with pytest.raises(NotImplementedError, match="splits its experts over 4 ranks .* rollout tp=2"):
+        check_vllm_expert_split(engine(4), t_g=2)
+    with pytest.raises(NotImplementedError, match=r"expert parallel: True"):
+        check_vllm_expert_split(engine(1, use_ep=True), t_g=2)
+
+    dims = ParallelDims(dp=2, ep=2)
+    plan = plan_resharding(dims, GenerationDims(tp=2), gathered_specs(dims))
+    converter = SimpleNamespace(plan=plan, t_g=2)
+    runner = SimpleNamespace(reload_weights=None, model_runner=SimpleNamespace(get_model=lambda: engine(2)))
+    with pytest.raises(NotImplementedError, match="MoE experts are not supported by the direct-copy path"):
+        load_into_vllm(runner, iter(()), "cuda", converter=converter)

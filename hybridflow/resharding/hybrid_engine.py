@@ -51,13 +51,19 @@ class HybridEngine:
         self._chunks = chunks
         self._tied = bool(getattr(hf_mapping.unwrap(chunks[0]), "share_embeddings_and_output_weights", False))
         facts = read_hf_facts(hf_config)
+        ep_rank = dims.expert_coords(self.rank)["ep"]
+        named = self._named_params()
+        self._check_expert_owners(named, facts, ep_rank)
         local_specs, _ = param_specs(
-            self._named_params(),
+            named,
             tp=dims.tp,
             pp_stage=dims.coords(self.rank)["pp"],
             vocab_size=facts.vocab_size,
             gen_vocab_pad_multiple=vllm_vocab_pad(),
             is_vocab=lambda name: hf_mapping.describe(name, hf_config).kind == hf_mapping.VOCAB,
+            is_expert=hf_mapping.is_expert,
+            expert_tp=dims.expert_tp,
+            ep_rank=ep_rank,
         )
         self.plan = plan_resharding(dims, gen_dims, gather_param_specs(local_specs, group),
                                     ModelShape.from_hf_config(hf_config))
@@ -77,6 +83,25 @@ class HybridEngine:
         if got != {"tp": want["tp"], "pp": want["pp"]}:
             raise LayoutError(f"rank {self.rank}: Megatron has (tp, pp) = {got}, ParallelDims.coords says {want}; "
                               "the resharding plan assumes Megatron's default order tp-cp-ep-dp-pp")
+        want_e = self.dims.expert_coords(self.rank)
+        got_e = {"ep": mps.get_expert_model_parallel_rank(), "etp": mps.get_expert_tensor_parallel_rank()}
+        if got_e != {"ep": want_e["ep"], "etp": want_e["etp"]}:
+            raise LayoutError(f"rank {self.rank}: Megatron has expert (ep, etp) = {got_e}, "
+                              f"ParallelDims.expert_coords says {want_e}; the plan assumes Megatron's expert "
+                              "order etp-ep-edp-pp")
+
+    def _check_expert_owners(self, named, facts, ep_rank: int) -> None:
+        """Every expert this rank holds is one of its EP rank's (global index e // (E/ep) = ep_rank), so the
+        plan's owners are right; a wrong expert offset in the global names would send the wrong weights."""
+        from megatron_workers import hf_mapping
+
+        per_rank = max(facts.num_experts // self.dims.ep, 1)
+        for name, _ in named:
+            if hf_mapping.is_expert(name):
+                e = hf_mapping.describe(name, self.hf_config).expert
+                if e // per_rank != ep_rank:
+                    raise LayoutError(f"rank {self.rank} (EP rank {ep_rank}) holds {name!r}: expert {e} belongs to "
+                                      f"EP rank {e // per_rank} ({facts.num_experts} experts / ep={self.dims.ep})")
 
     def _named_params(self) -> list[tuple[str, torch.Tensor]]:
         from megatron_workers import hf_mapping

