@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -142,12 +143,16 @@ def check_mcore_against_config(mcore_dir: Path, hf_config: dict, cfg_dir: Path) 
     f = read_hf_facts(hf_config)
     qkv_rows = (f.num_heads + 2 * f.num_kv_heads) * f.head_dim
     expected = {_EMBEDDING_KEY: (None, f.hidden_size),
-                "decoder.layers.self_attention.linear_qkv.weight": (f.num_layers, qkv_rows, f.hidden_size),
-                "decoder.layers.mlp.linear_fc1.weight": (f.num_layers, 2 * f.ffn_hidden_size, f.hidden_size)}
+                "decoder.layers.self_attention.linear_qkv.weight": (f.num_layers, qkv_rows, f.hidden_size)}
+    if f.is_moe:  # megatron stores every layer's experts stacked too: (layers, experts, ...)
+        expected["decoder.layers.mlp.experts.experts.linear_fc1.weight"] = (
+            f.num_layers, f.num_experts, 2 * f.moe_ffn_hidden_size, f.hidden_size)
+    else:
+        expected["decoder.layers.mlp.linear_fc1.weight"] = (f.num_layers, 2 * f.ffn_hidden_size, f.hidden_size)
     for key, shape in expected.items():
         if key not in meta:
-            raise ConvertError(f"{mcore_dir}: the checkpoint has no {key!r} (model keys: "
-                               f"{sorted(k for k in meta if not k.startswith('optimizer.'))[:5]} ...)")
+            model_keys = sorted(k for k in meta if not re.match(r"(chained_\d+\.)?optimizer\.", k))
+            raise ConvertError(f"{mcore_dir}: the checkpoint has no {key!r} (model keys: {model_keys[:5]} ...)")
         have = tuple(meta[key].size)
         if len(have) != len(shape) or any(e is not None and e != h for e, h in zip(shape, have)):
             raise ConvertError(f"{mcore_dir}: {key} has global shape {have}, {cfg_dir / 'config.json'} implies "

@@ -109,6 +109,8 @@ def _layout() -> dict:
         "pp": ps.get_pipeline_model_parallel_world_size(),
         "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
         "dp": ps.get_data_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
         "world_size": dist.get_world_size(),
     }
 
@@ -155,6 +157,8 @@ def load_checkpoint(path: str | os.PathLike, model: list, optimizer=None, schedu
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
     if optimizer is not None and not _has_optimizer_state(path):
         raise ValueError(f"checkpoint {path} has no optimizer state; load with optimizer=None")
+    if optimizer is not None:
+        _check_optimizer_split(path, optimizer)
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd}
     if optimizer is not None:
@@ -236,9 +240,30 @@ def saved_layout(path: str | os.PathLike) -> dict | None:
     return json.loads(file.read_text()) if file.exists() else None
 
 
+def _check_optimizer_split(path: Path, optimizer) -> None:
+    """An MoE model's optimizer state is split in two (megatron's ChainedOptimizer: the experts' Adam over the
+    expert-DP group apart from the rest) at expert_model_parallel_size > 1, and in one at 1; megatron cannot load
+    one form into the other (measured: KeyError 'optimizer.state.param...' resuming an EP2 save at EP1)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = len({k.split(".", 1)[0] for k in keys if k.startswith("chained_")}) or 1
+    now = len(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if saved != now:
+        layout = saved_layout(path) or {}
+        raise ValueError(f"checkpoint {path} holds its optimizer state in {saved} part(s) (saved at "
+                         f"expert_model_parallel_size={layout.get('ep', '?')}), this optimizer has {now}: resume the "
+                         "optimizer at the saved expert parallel size, or load the weights only (an HF export of "
+                         "the checkpoint as the model path)")
+
+
 def _has_optimizer_state(path: Path) -> bool:
-    """Whether the sharded part holds optimizer tensors, read from the torch_dist metadata (no tensors loaded)."""
+    """Whether the sharded part holds optimizer tensors, read from the torch_dist metadata (no tensors loaded).
+    An MoE model's optimizer is megatron's ChainedOptimizer (the experts' parameters in one of their own), whose
+    keys are `chained_<i>.optimizer.*`."""
+    import re
+
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(str(path)).read_metadata()
-    return any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
+    return any(re.match(r"(chained_\d+\.)?optimizer\.", key) for key in metadata.state_dict_metadata)

@@ -21,6 +21,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "mcore_scripts"))
 
 from mcore_cases import hf_grad_norm, hf_reference, load_hf_state, make_batch, run_parity_worker  # noqa: E402
+from train_common import run_torchrun  # noqa: E402
 
 from hybridflow.models.tiny import MOE_ARCHS, save_tiny_model  # noqa: E402
 from hybridflow.parallel.dims import LayoutError, ModelShape, ParallelDims  # noqa: E402
@@ -150,3 +151,42 @@ def test_megatron_moe_matches_hf(case, moe_models, tmp_path):
     if "--ep" in args:  # each EP rank read its own experts only: well under the whole checkpoint
         total = sum(t.numel() * t.element_size() for t in load_hf_state(hf_dir).values())
         assert max(result["bytes_read"]) < 0.8 * total, (result["bytes_read"], total)
+
+
+@pytest.mark.slow
+def test_an_ep2_checkpoint_resumes_bit_exact_and_refuses_another_expert_split(moe_models, tmp_path):
+    """dist_checkpointing with the experts spread over EP (their Adam is megatron's ChainedOptimizer's second part,
+    over the expert-DP group): save at EP2 after two updates; the same processes reload and redo the third update
+    bit for bit, and so do fresh processes at EP2. At EP1 megatron keeps one optimizer and cannot take the split
+    state: refused naming the saved expert parallel size, before any tensor is read."""
+    model, ckpt = moe_models["qwen3_moe"], tmp_path / "ckpt"
+    common = ["--model", str(model), "--ckpt", str(ckpt)]
+    run_torchrun("train_ckpt.py", 2, [*common, "--out", str(tmp_path / "save.pt"), "--phase", "save", "--ep", "2"])
+    run_torchrun("train_ckpt.py", 2, [*common, "--out", str(tmp_path / "again.pt"), "--phase", "resume", "--ep", "2"])
+    saved, again = torch.load(tmp_path / "save.pt"), torch.load(tmp_path / "again.pt")
+
+    def diff(a, b):
+        assert set(a) == set(b)
+        return max((a[k] - b[k]).abs().max().item() for k in a)
+
+    assert json.loads((ckpt / "hybridflow_layout.json").read_text())["ep"] == 2
+    assert diff(saved["saved"], saved["reloaded"]) == 0.0 and diff(saved["saved"], again["reloaded"]) == 0.0
+    assert diff(saved["saved"], saved["step3_params"]) > 1e-4  # the update after the save moved the weights
+    assert diff(saved["step3_params"], saved["step3_again_params"]) == 0.0
+    assert diff(saved["step3_params"], again["step3_params"]) == 0.0
+    # the weights alone convert at any expert split: one process (EP1) exports the EP2 checkpoint bit for bit
+    import os
+    import subprocess
+
+    from train_common import REPO, free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "megatron_workers.convert", "mcore-to-hf", "--mcore", str(ckpt),
+           "--out", str(tmp_path / "hf"), "--hf-config", str(model)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert diff(saved["saved"], load_hf_state(tmp_path / "hf")) == 0.0
+    with pytest.raises(RuntimeError, match=r"holds its optimizer state in 2 part\(s\) \(saved at "
+                                           r"expert_model_parallel_size=2\), this optimizer has 1"):
+        run_torchrun("train_ckpt.py", 2, [*common, "--out", str(tmp_path / "ep1.pt"), "--phase", "resume"])

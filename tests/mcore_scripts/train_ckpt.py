@@ -51,11 +51,13 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel (an MoE model)")
     args = ap.parse_args()
 
     from megatron_workers.actor_rollout_ref import ActorRolloutRefWorker
 
     config = actor_config(args.model, args.tp, args.pp, args.sp, lr=2e-3, **SCHEDULE)
+    config["actor"]["megatron"]["expert_model_parallel_size"] = args.ep
     worker = ActorRolloutRefWorker(config, role="actor")
     worker.init_model()
     vocab = json.load(open(f"{args.model}/config.json"))["vocab_size"]
