@@ -510,6 +510,11 @@ class TrainerSender:
         if len(chunks) != dims.vpp:
             raise LayoutError(f"TrainerSender got {len(chunks)} model chunks per rank, dims.vpp={dims.vpp}")
         named = megatron_named_params(chunks)
+        if any(hf_mapping.is_expert(n) for n, _ in named):
+            # plan_cross_pool reads every training TP rank of a stage as a holder; experts live on one EP rank's
+            # ranks, split over etp (the colocated HybridEngine plans them: planner.ParamSpec.ep_owner).
+            raise LayoutError("split pools (a separate rollout pool) do not sync MoE experts yet; colocate the "
+                              "rollout with the actor (the 3D-HybridEngine plans experts)")
         local_specs, _ = param_specs(
             named, tp=dims.tp, pp_stage=dims.coords(rank)["pp"], vocab_size=read_hf_facts(hf_config).vocab_size,
             gen_vocab_pad_multiple=1,  # vLLM's padding comes from the rollout side in the handshake
