@@ -63,6 +63,7 @@ from hybridflow.data.token_budget import (
     pack_by_token_budget,
     padding_fraction,
 )
+from hybridflow.rollout.moe_routing import ROUTED_EXPERTS  # routing replay's input; see _replay_routing
 from megatron_workers.logprob import left_justify
 from megatron_workers.nonfinite import NonFiniteGuard
 from megatron_workers.profiling import ScheduleRanges
@@ -73,8 +74,6 @@ logger = logging.getLogger(__name__)
 PostFn = Callable[[torch.Tensor, dict], dict]
 LossFn = Callable[[torch.Tensor, dict], tuple]
 PACKED_KEYS = ("packed_input_ids", "packed_mask", "pack_index")
-# Routing replay's input (the rollout's expert choices per token); see _replay_routing.
-from hybridflow.rollout.moe_routing import ROUTED_EXPERTS  # noqa: E402
 
 
 def unpack_tokens(values: torch.Tensor, micro: dict) -> torch.Tensor:
