@@ -85,6 +85,11 @@ CASES = {
         [*R3, f"{ACTOR}.override_transformer_config.recompute_granularity=selective",
          f"{ACTOR}.override_transformer_config.attention_backend=unfused"],
         r"router_replay.mode=R3 with .*recompute_granularity=selective: a recomputed forward would route by itself"),
+    "vllm_replicas_split_experts": (
+        ["trainer.n_gpus_per_node=4", f"{ACTOR}.expert_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
+         "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+        r"rollout.tensor_model_parallel_size=2 on 4 processes is 2 vLLM data-parallel replicas: vLLM then splits "
+        r"each expert over DP x TP ranks"),
     "tp_without_sp": (
         ["trainer.n_gpus_per_node=2", f"{ACTOR}.tensor_model_parallel_size=2"],
         rf"{ACTOR}: an MoE model at tensor_model_parallel_size=2 needs sequence_parallel=true"),

@@ -12,8 +12,10 @@ REPLAY = "actor_rollout_ref.actor.router_replay.mode"
 RECORD = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 
 
-def validate_moe(cfg, actor_hf: dict) -> None:
+def validate_moe(cfg, actor_hf: dict, rollout_world: int) -> None:
+    """rollout_world: the processes of the pool the rollout runs on."""
     a = cfg.actor_rollout_ref
+    _validate_moe_rollout(cfg, actor_hf, rollout_world)
     mode, record = a.actor.router_replay.mode, a.rollout.enable_rollout_routing_replay
     if mode == "R2":
         raise ValueError(f"{REPLAY}=R2 (replaying the old-log-prob forward's own routing) is not supported; R3 replays "
@@ -36,3 +38,20 @@ def validate_moe(cfg, actor_hf: dict) -> None:
         raise ValueError(f"{REPLAY}=R3 with actor_rollout_ref.actor.megatron.override_transformer_config."
                          f"recompute_granularity={o.recompute_granularity}: a recomputed forward would route by "
                          "itself; turn recompute off for routing replay")
+
+
+def _validate_moe_rollout(cfg, actor_hf: dict, world: int) -> None:
+    """What the 3D-HybridEngine can move an MoE actor's experts into (hybridflow/resharding: experts planned
+    from their own EP x ETP mesh into vLLM tensor parallel)."""
+    a = cfg.actor_rollout_ref
+    if not moe_num_experts(actor_hf) or a.rollout.name != "vllm":
+        return
+    t_g = a.rollout.tensor_model_parallel_size
+    if "rollout" in (cfg.trainer.role_pools or {}):
+        raise ValueError("trainer.role_pools.rollout with an MoE actor: the cross-pool weight sync does not plan "
+                         "experts yet (only the colocated 3D-HybridEngine does); colocate the rollout")
+    if t_g > 1 and world // t_g > 1:
+        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={t_g} on {world} processes is "
+                         f"{world // t_g} vLLM data-parallel replicas: vLLM then splits each expert over DP x TP "
+                         "ranks, which the resharding plan does not target yet; use t_g=1 (a replica per process) or "
+                         "t_g = the world size")

@@ -182,7 +182,7 @@ def validate(cfg: HybridFlowConfig) -> None:
     validate_async(cfg, place)
     from hybridflow.config.moe_checks import validate_moe
 
-    validate_moe(cfg, actor_hf)
+    validate_moe(cfg, actor_hf, place.world("rollout" if "rollout" in place.role_pools else "actor_rollout"))
     _validate_ref(cfg, place, actor_hf)
     checks.counts(cfg, ("data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_epochs",
                         *(f"actor_rollout_ref.{k}" for k in ("actor.ppo_mini_batch_size",
