@@ -23,7 +23,7 @@ def test_an_ep2_moe_actor_trains_with_routing_replay(warm_assets, tmp_path):
               f"data.train_files=[{warm_assets['train']}]", f"data.val_files=[{warm_assets['test']}]",
               "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # old log-probs pass
               "trainer.total_training_steps=2", "trainer.save_freq=-1", "actor_rollout_ref.model.dtype=float32",
-              "actor_rollout_ref.actor.router_replay.mode=R3",
+              "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.router_replay.mode=R3",
               "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"), tmp_path / "log")
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2]
