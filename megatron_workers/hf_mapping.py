@@ -49,6 +49,10 @@ Reader = Callable[[str, "int | None", "int | None", "int | None"], torch.Tensor]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+# Transformer Engine's grouped-GEMM experts (TEGroupedMLP, moe_grouped_gemm on GPU) name local expert j's matrices
+# `mlp.experts.linear_fc1.weight{j}`, laid out as the sequential experts' are; the global names are the sequential
+# form, so everything past global_named_parameters sees one naming.
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
 
 # kinds of layout
 REPLICATED, ROW, QKV, FC1, VOCAB = "replicated", "row", "qkv", "fc1", "vocab"
@@ -196,6 +200,9 @@ def _shift(name: str, layers: int, experts: int) -> str:
     if not m:
         return name
     suffix = m.group(2)
+    grouped = _GROUPED_EXPERT.match(suffix)
+    if grouped:
+        suffix = f"mlp.experts.local_experts.{grouped.group(2)}.{grouped.group(1)}.weight"
     e = _EXPERT.match(suffix)
     if e:
         suffix = f"mlp.experts.local_experts.{int(e.group(1)) + experts}.{e.group(2)}.weight"
@@ -204,7 +211,7 @@ def _shift(name: str, layers: int, experts: int) -> str:
 
 def local_to_global_name(name: str, offset: int, expert_offset: int = 0) -> str:
     """A chunk's own parameter name -> its global name: layer index + `offset`, expert index + `expert_offset`
-    (this EP rank's first expert)."""
+    (this EP rank's first expert); a grouped-GEMM expert weight takes the sequential experts' name."""
     return _shift(name, offset, expert_offset)
 
 

@@ -193,6 +193,19 @@ def check_moe_options(o, key: str) -> None:
         raise ValueError(f"{key}.moe_aux_loss_coeff={coeff} must be >= 0 (0: no load-balancing loss)")
 
 
+def moe_grouped_gemm(megatron_cfg, key: str = "megatron") -> bool:
+    """override_transformer_config.moe_grouped_gemm (null: auto): Transformer Engine's grouped GEMM over a rank's
+    experts, which needs TE's layer spec (GPU); else the sequential experts (one GEMM pair per expert, portable).
+    Checked on the GPU box only by launch/gpu_check.sh; set false to keep the sequential experts there too."""
+    o = getattr(megatron_cfg, "override_transformer_config", None)
+    asked = getattr(o, "moe_grouped_gemm", None)
+    te = resolve_transformer_impl(getattr(megatron_cfg, "transformer_impl", "auto"))[0] == "transformer_engine"
+    if asked and not te:
+        raise ValueError(f"{key}.override_transformer_config.moe_grouped_gemm=true needs Transformer Engine's "
+                         f"layer spec ({key}.transformer_impl resolves to local here: no CUDA or no TE)")
+    return te if asked is None else bool(asked)
+
+
 def _moe_fields(facts: HFModelFacts, dims: ParallelDims, megatron_cfg) -> dict:
     """TransformerConfig's MoE fields for an MoE model: routing exactly as the HF model routes."""
     if not facts.is_moe:
@@ -212,7 +225,7 @@ def _moe_fields(facts: HFModelFacts, dims: ParallelDims, megatron_cfg) -> dict:
         moe_token_dispatcher_type=getattr(o, "moe_token_dispatcher_type", "alltoall"),
         moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
         moe_aux_loss_coeff=coeff,
-        moe_grouped_gemm=False,  # sequential experts: portable and exact; TE's grouped GEMM is a GPU-only choice
+        moe_grouped_gemm=moe_grouped_gemm(megatron_cfg),
         # Gives each router a RouterReplay slot; it routes as usual until the engine hands it a rollout's
         # choices (routing replay, megatron_workers/engine.py _replay_routing), so it costs nothing otherwise.
         moe_enable_routing_replay=True,
@@ -331,12 +344,14 @@ def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype =
 
 
 def build_layer_spec(transformer_impl: str = "auto", attention_backend: str = "auto",
-                     facts: HFModelFacts | None = None):
+                     facts: HFModelFacts | None = None, grouped_gemm: bool = False):
     """TE's spec, or megatron's local spec whose core attention is torch's fused SDPA (auto) or megatron's
     unfused DotProductAttention (attention_backend=unfused, which selective recompute is made for).
     facts: the model's (MoE experts and q/k norms pick the spec's MLP and attention norms)."""
     moe = dict(num_experts=facts.num_experts if facts is not None and facts.is_moe else None,
                qk_layernorm=bool(facts is not None and facts.qk_norm))
+    if moe["num_experts"]:
+        moe["moe_grouped_gemm"] = grouped_gemm
     from megatron.core.models.gpt import gpt_layer_specs
 
     key = "megatron.override_transformer_config.attention_backend"
@@ -394,7 +409,7 @@ def build_gpt_model(
         share_embeddings = facts.tie_word_embeddings
     model = GPTModel(
         config=config,
-        transformer_layer_spec=build_layer_spec(impl, attention, facts),
+        transformer_layer_spec=build_layer_spec(impl, attention, facts, config.moe_grouped_gemm),
         vocab_size=padded_vocab_size(facts.vocab_size, dims.tp),
         max_sequence_length=facts.max_position_embeddings,
         pre_process=pre_process,

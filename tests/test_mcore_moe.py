@@ -70,6 +70,8 @@ def test_expert_names_carry_the_global_expert_index():
     assert hf_mapping.local_to_global_name(local, 3, 4) == want
     assert hf_mapping.global_to_local_name(hf_mapping.local_to_global_name(local, 3, 4), 3, 4) == local
     assert hf_mapping.is_expert(local) and not hf_mapping.is_expert("decoder.layers.1.mlp.router.weight")
+    # Transformer Engine's grouped-GEMM experts (GPU) get the same global names
+    assert hf_mapping.local_to_global_name("decoder.layers.1.mlp.experts.linear_fc2.weight2", 3, 4) == want
     assert hf_mapping.hf_tp_partition_dim("model.layers.0.mlp.gate.weight") is None  # routers are replicated
     assert hf_mapping.hf_tp_partition_dim("model.layers.0.block_sparse_moe.experts.1.w2.weight") == 1
 

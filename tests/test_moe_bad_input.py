@@ -90,6 +90,9 @@ CASES = {
          "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
         r"rollout.tensor_model_parallel_size=2 on 4 processes is 2 vLLM data-parallel replicas: vLLM then splits "
         r"each expert over DP x TP ranks"),
+    "grouped_gemm_without_te": (
+        [f"{ACTOR}.override_transformer_config.moe_grouped_gemm=true", "trainer.device=cpu"],
+        rf"{ACTOR}.override_transformer_config.moe_grouped_gemm=true needs Transformer Engine's layer spec"),
     "tp_without_sp": (
         ["trainer.n_gpus_per_node=2", f"{ACTOR}.tensor_model_parallel_size=2"],
         rf"{ACTOR}: an MoE model at tensor_model_parallel_size=2 needs sequence_parallel=true"),

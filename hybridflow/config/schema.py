@@ -42,6 +42,9 @@ class OverrideTransformerConfig:
     moe_aux_loss_coeff: float = 0.0
     # alltoall (runs on gloo: all_to_all_single is supported there) | allgather
     moe_token_dispatcher_type: str = "alltoall"
+    # Transformer Engine's grouped GEMM over a rank's experts; null: on when TE's spec is in use (GPU), else the
+    # sequential experts (one GEMM pair per expert)
+    moe_grouped_gemm: bool | None = None
 
 
 @dataclass

@@ -41,13 +41,20 @@ def _role_dims(key: str, m, world: int, hf_config: dict, pool: str | None = None
     if world % (tp * pp * cp):
         raise ValueError(f"{key} tp*pp*cp={tp}*{pp}*{cp}={tp * pp * cp} does not divide the size of its {where}")
     from hybridflow.parallel.dims import check_recompute
-    from megatron_workers.model_builder import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, check_moe_options
+    from megatron_workers.model_builder import (
+        ATTENTION_BACKENDS,
+        TRANSFORMER_IMPLS,
+        check_moe_options,
+        moe_grouped_gemm,
+    )
 
     if m.transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"{key}.transformer_impl={m.transformer_impl!r}; choose one of {', '.join(TRANSFORMER_IMPLS)}")
     model = ModelShape.from_hf_config(hf_config)
     o = m.override_transformer_config
     check_moe_options(o, f"{key}.override_transformer_config")
+    if model.is_moe:
+        moe_grouped_gemm(m, key)
     if o.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"{key}.override_transformer_config.attention_backend={o.attention_backend!r}; "
                          f"choose one of {', '.join(ATTENTION_BACKENDS)}")
