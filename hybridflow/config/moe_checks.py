@@ -29,8 +29,9 @@ def validate_moe(cfg, actor_hf: dict, rollout_world: int) -> None:
     if not moe_num_experts(actor_hf):
         raise ValueError(f"{REPLAY}=R3: the actor model ({a.model.path}) is dense; routing replay needs an MoE model")
     if a.rollout.name != "hf":
-        raise ValueError(f"{REPLAY}=R3 needs actor_rollout_ref.rollout.name=hf: the vLLM rollout does not hand back "
-                         f"the experts it routed each token to here (docs/moe.md); got {a.rollout.name}")
+        raise ValueError(f"{REPLAY}=R3 needs actor_rollout_ref.rollout.name=hf (got {a.rollout.name}): vLLM 0.32 "
+                         "returns each token's experts (enable_return_routed_experts) only with its model runner V2, "
+                         "which needs Triton, so not on CPU; its GPU side is not wired here (docs/moe.md)")
     if a.rollout.mode != "sync":
         raise ValueError(f"{REPLAY}=R3 needs actor_rollout_ref.rollout.mode=sync (got {a.rollout.mode})")
     o = a.actor.megatron.override_transformer_config
