@@ -20,7 +20,7 @@ import torch
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "mcore_scripts"))
 
-from mcore_cases import hf_grad_norm, hf_reference, load_hf_state, make_batch, run_parity_worker  # noqa: E402
+from mcore_cases import assert_matches_hf, load_hf_state, run_parity_worker  # noqa: E402
 from train_common import run_torchrun  # noqa: E402
 
 from hybridflow.models.tiny import MOE_ARCHS, save_tiny_model  # noqa: E402
@@ -129,20 +129,9 @@ def test_megatron_moe_matches_hf(case, moe_models, tmp_path):
     args += ["--train-step"] if train else []
     result = run_parity_worker(nproc, tmp_path / "result.json", *args)
 
-    vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-    ids, mask = make_batch(vocab)
-    ref_lp, ref_ent, valid = hf_reference(hf_dir, ids, mask)
-    lp, ent = torch.tensor(result["logprobs"]), torch.tensor(result["entropy"])
-    lp_err, ent_err = (lp - ref_lp)[valid].abs().max().item(), (ent - ref_ent)[valid].abs().max().item()
-    print(f"{case}: logprob max err {lp_err:.2e}, entropy max err {ent_err:.2e}, times {result['times']}")
-    assert lp_err < TOL and ent_err < TOL
+    # aux loss off (the default): the step's loss is the LM loss alone, as HF's without router logits
+    assert_matches_hf(case, hf_dir, result, TOL, train)
     assert "moe-without-te:megatron.core.transformer.moe.moe_utils" in result["patches"]
-
-    if train:  # aux loss off (the default): the loss is the LM loss alone, as HF's without router logits
-        ref_norm, ref_loss = hf_grad_norm(hf_dir, ids, mask)
-        norm, loss = result["train"]
-        print(f"{case}: grad norm {norm:.7f} vs HF {ref_norm:.7f}, loss {loss:.7f} vs HF {ref_loss:.7f}")
-        assert abs(loss - ref_loss) < TOL and abs(norm - ref_norm) < 1e-5 * max(1.0, ref_norm)
 
     if export:  # every expert comes back from its EP rank, bit-exact
         original, exported = load_hf_state(hf_dir), load_hf_state(tmp_path / "export")

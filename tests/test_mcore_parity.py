@@ -19,7 +19,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "mcore_scripts"))
 
 from mcore_cases import (  # noqa: E402
-    hf_grad_norm,
+    assert_matches_hf,
     hf_reference,
     load_hf_state,
     make_batch,
@@ -60,24 +60,9 @@ def test_megatron_matches_hf(case, models, tmp_path):
     args += ["--train-step"] if train else []
     result = run_parity_worker(nproc, tmp_path / "result.json", *args)
 
-    vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-    ids, mask = make_batch(vocab)
-    ref_lp, ref_ent, valid = hf_reference(hf_dir, ids, mask)
-    lp, ent = torch.tensor(result["logprobs"]), torch.tensor(result["entropy"])
-    lp_err = (lp - ref_lp)[valid].abs().max().item()
-    ent_err = (ent - ref_ent)[valid].abs().max().item()
-    print(f"{case}: logprob max err {lp_err:.2e}, entropy max err {ent_err:.2e}, times {result['times']}")
-    assert lp_err < TOL and ent_err < TOL
-    assert not lp[~valid].any() and not ent[~valid].any()  # padding / first tokens are zero
-
+    assert_matches_hf(case, hf_dir, result, TOL, train)
     gc = result["grad_check"]
     assert gc["lp_err"] < TOL and gc["ent_err"] < TOL and gc["grad_err"] < TOL, gc
-
-    if train:
-        ref_norm, ref_loss = hf_grad_norm(hf_dir, ids, mask)
-        norm, loss = result["train"]
-        print(f"{case}: grad norm {norm:.7f} vs HF {ref_norm:.7f}, loss {loss:.7f} vs HF {ref_loss:.7f}")
-        assert abs(loss - ref_loss) < TOL and abs(norm - ref_norm) < 1e-5 * max(1.0, ref_norm)
 
     if export:
         original, exported = load_hf_state(hf_dir), load_hf_state(tmp_path / "export")
@@ -85,6 +70,7 @@ def test_megatron_matches_hf(case, models, tmp_path):
         assert set(exported) == set(original)
         bad = [k for k in original if not torch.equal(original[k], exported[k])]
         assert not bad, f"not bit-exact: {bad}"
+        vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
         assert json.loads((tmp_path / "export" / "config.json").read_text())["vocab_size"] == vocab
         for fname in ("tokenizer.json", "tokenizer_config.json"):
             assert (tmp_path / "export" / fname).is_file() == (hf_dir / fname).is_file()

@@ -117,6 +117,21 @@ def test_full_shaped_buffers_commit_only_the_written_region():
     assert grown < 24 << 20, f"RSS grew by {grown / 2**20:.1f} MiB for a 4 MiB region of a 64 MiB empty tensor"
 
 
+def _sync_on_two_ranks(script: str, w0, w1, layout) -> list[dict]:
+    """tests/reshard_scripts/<script> on 2 torchrun ranks (vLLM built on w0, synced to w1); its JSON lines."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), str(ROOT / "tests/reshard_scripts" / script), str(w0), str(w1),
+           *map(str, layout)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-5000:])
+    return lines
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "arch,tied,layout",
@@ -133,16 +148,7 @@ def test_megatron_to_vllm_sync_matches_hf(tmp_path, arch, tied, layout):
     extra = {"tie_word_embeddings": True} if tied else {}
     w0 = save_tiny_model(tmp_path / "w0", arch=arch, seed=0, **extra)
     w1 = save_tiny_model(tmp_path / "w1", arch=arch, seed=1, **extra)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(ROOT / "tests/reshard_scripts/check_vllm_sync.py"), str(w0), str(w1),
-           *map(str, layout)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-5000:])
+    lines = _sync_on_two_ranks("check_vllm_sync.py", w0, w1, layout)
     for r in lines[0]["ranks"]:
         # vLLM started from other weights (tiny random models may still agree on greedy tokens)
         assert not r["before_equals_reference"] or r["max_logprob_diff_before"] > 1e-2, r
@@ -170,16 +176,7 @@ def test_megatron_moe_to_vllm_sync_matches_megatron(tmp_path, arch, layout):
 
     w0 = save_tiny_model(tmp_path / "w0", arch=arch, seed=3)
     w1 = save_tiny_model(tmp_path / "w1", arch=arch, seed=11)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(ROOT / "tests/reshard_scripts/check_vllm_sync_moe.py"), str(w0), str(w1),
-           *map(str, layout)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-5000:])
+    lines = _sync_on_two_ranks("check_vllm_sync_moe.py", w0, w1, layout)
     for r in lines[0]["ranks"]:
         assert not r["before_equals_reference"] or (r["max_logprob_diff_before_vs_megatron"] or 1) > 1e-2, r
         assert r["after_equals_reference"] and r["again_equals_after"], r

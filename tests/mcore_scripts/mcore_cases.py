@@ -144,3 +144,22 @@ def run_parity_worker(nproc: int, out: Path, *args: str, timeout: int = 120) -> 
         tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if "Warning" not in line)[-6000:]
         pytest.fail(f"worker failed (rc={proc.returncode}):\n{tail}")
     return json.loads(out.read_text())
+
+
+def assert_matches_hf(case: str, hf_dir: Path, result: dict, tol: float, train: bool) -> None:
+    """A parity worker's result against HF transformers on the same weights: per-token log-probs and entropy of
+    make_batch within `tol` (padding and first tokens exactly 0); with `train`, the one step's loss and grad norm."""
+    vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
+    ids, mask = make_batch(vocab)
+    ref_lp, ref_ent, valid = hf_reference(hf_dir, ids, mask)
+    lp, ent = torch.tensor(result["logprobs"]), torch.tensor(result["entropy"])
+    lp_err = (lp - ref_lp)[valid].abs().max().item()
+    ent_err = (ent - ref_ent)[valid].abs().max().item()
+    print(f"{case}: logprob max err {lp_err:.2e}, entropy max err {ent_err:.2e}, times {result['times']}")
+    assert lp_err < tol and ent_err < tol
+    assert not lp[~valid].any() and not ent[~valid].any()  # padding / first tokens are zero
+    if train:
+        ref_norm, ref_loss = hf_grad_norm(hf_dir, ids, mask)
+        norm, loss = result["train"]
+        print(f"{case}: grad norm {norm:.7f} vs HF {ref_norm:.7f}, loss {loss:.7f} vs HF {ref_loss:.7f}")
+        assert abs(loss - ref_loss) < tol and abs(norm - ref_norm) < 1e-5 * max(1.0, ref_norm)
