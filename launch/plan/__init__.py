@@ -26,7 +26,28 @@ class Plan:
 
     @property
     def step_s(self) -> float:
+        """The stages one after another; on the async layout, async_step_s of generation, training and the sync."""
+        if self.job.rollout_pool:
+            from launch.plan.async_step import async_step_s
+
+            return async_step_s(*self.async_parts, self.job.async_mode)
         return sum(s.seconds for s in self.stages)
+
+    @property
+    def async_parts(self) -> tuple[float, float, float]:
+        """(generation on the rollout pool, training stages on the actor's pool, weight sync per step) seconds."""
+        gen = sum(s.seconds for s in self.stages if s.name == "generate")
+        sync = sum(s.seconds for s in self.stages if s.name in ("weight_sync", "transition"))
+        return gen, sum(s.seconds for s in self.stages) - gen - sync, sync
+
+    @property
+    def idle_fractions(self) -> tuple[float, float] | None:
+        """(rollout pool, training pool) idle shares of the step on the async layout; None otherwise."""
+        if not self.job.rollout_pool:
+            return None
+        from launch.plan.async_step import idle_fractions
+
+        return idle_fractions(*self.async_parts, self.job.async_mode)
 
     @property
     def tokens(self) -> float:

@@ -61,7 +61,9 @@ def options_from(args: argparse.Namespace) -> Options:
 def summary(plan) -> dict:
     return {"fits": plan.memory.fits, "peak_gib": plan.memory.peak.total / 1024**3, "peak_stage": plan.memory.peak.name,
             "step_s": plan.step_s, "tokens_per_gpu_s": plan.tokens_per_gpu_s,
-            "stages_s": {s.name: s.seconds for s in plan.stages}}
+            "stages_s": {s.name: s.seconds for s in plan.stages},
+            **({"async_mode": plan.job.async_mode, "rollout_idle_frac": plan.idle_fractions[0],
+                "train_idle_frac": plan.idle_fractions[1]} if plan.job.rollout_pool else {})}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,7 +128,10 @@ def plan_memory(job: Job) -> MemoryPlan:
     actor_pool = job.roles["actor"].pool
 
     # (phase, active role, what the active role holds beyond its idle state)
-    stages: list[tuple[str, str, list[str]]] = [("transition", "actor", ["params"]), ("generate", "rollout", [])]
+    # On the async layout the rollout pool holds vLLM alone; it receives the weights bucket by bucket into the live
+    # engine (KV cache kept), and the actor's pool holds no vLLM at all.
+    first = ("weight_sync", "rollout", []) if job.rollout_pool else ("transition", "actor", ["params"])
+    stages: list[tuple[str, str, list[str]]] = [first, ("generate", "rollout", [])]
     if job.old_log_prob_pass:
         stages.append(("old_log_prob", "actor", [*STATE, "forward working"]))
     if "ref" in job.roles:
@@ -143,7 +146,7 @@ def plan_memory(job: Job) -> MemoryPlan:
 
     phases = []
     for phase, active, parts in stages:
-        pool = actor_pool if active == "rollout" else job.roles[active].pool
+        pool = (job.rollout_pool or actor_pool) if active == "rollout" else job.roles[active].pool
         items: list[tuple[str, str, float]] = [reserve]
         for name, role in job.roles.items():
             if role.pool != pool:
@@ -156,6 +159,9 @@ def plan_memory(job: Job) -> MemoryPlan:
         if phase == "transition":
             items += [("rollout", "vLLM weights", rollout["vLLM weights"]),
                       ("rollout", "reshard buffers", rollout["reshard buffers"])]
+        if phase == "weight_sync":
+            items += [("rollout", k, rollout[k]) for k in ("vLLM weights", "KV cache", "vLLM runtime")]
+            items.append(("rollout", "receive bucket", min(float(job.bucket_bytes), rollout["vLLM weights"])))
         if phase == "generate":
             items += [("rollout", k, rollout[k]) for k in ("vLLM weights", "KV cache", "vLLM runtime")]
         phases.append(Phase(phase, pool, tuple(items)))

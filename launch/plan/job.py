@@ -91,17 +91,33 @@ class Job:
     lengths: Lengths
     prompt_mean: float
     notes: list[str] = field(default_factory=list)
+    # The async layout (trainer.resource_pools with an actor pool and trainer.role_pools.rollout): the rollout pool,
+    # every pool's processes per node, async_training.mode and trigger_parameter_sync_step. None/empty: the presets.
+    rollout_pool: str | None = None
+    pool_procs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    async_mode: str = "sync"
+    sync_every: int = 1
 
     @property
     def world(self) -> int:
+        """GPUs of the actor's pool (the training layout's world)."""
+        if self.pool_procs:
+            return sum(self.pool_procs[self.roles["actor"].pool])
         return self.nnodes * self.gpus_per_node
 
     @property
+    def rollout_world(self) -> int:
+        """GPUs that generate: the rollout pool's, or the actor's (the rollout in the actor's processes)."""
+        return sum(self.pool_procs[self.rollout_pool]) if self.rollout_pool else self.world
+
+    @property
     def pools(self) -> list[str]:
-        return sorted({r.pool for r in self.roles.values()})
+        return sorted({r.pool for r in self.roles.values()} | ({self.rollout_pool} if self.rollout_pool else set()))
 
     @property
     def total_gpus(self) -> int:
+        if self.pool_procs:
+            return sum(sum(self.pool_procs[p]) for p in self.pools)
         return self.world * len(self.pools)  # the presets: every pool nnodes x n_gpus_per_node
 
     @property
@@ -220,21 +236,26 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
     from hybridflow.trainer import placement as P
     from hybridflow.trainer.main import job_roles
 
-    if t.resource_pools:
-        raise PlanInputError("trainer.resource_pools: the planner models the presets (trainer.placement=colocate | "
-                             "split | standalone, every pool nnodes x n_gpus_per_node), not pools of other sizes yet")
+    if t.resource_pools and "rollout" not in (t.role_pools or {}):
+        raise PlanInputError(PRESETS_ONLY)
     try:  # the trainer's own role -> pool map, so the planner and the job place roles alike
         place = P.resolve(t, job_roles(cfg))
     except P.PlacementError as e:
         raise PlanInputError(str(e)) from None
+    rollout_pool = _async_layout(cfg, place)
+    if rollout_pool:
+        world = place.world("actor_rollout")
     pool = place.role_pools.get
     own_ref = not place.shares_actor_pool("ref")  # the ref on a pool of its own, with its own mesh
     actor_shape = resolve_shape("actor_rollout_ref.model.path", a.model.path)
     key = "actor_rollout_ref.actor.megatron"
     actor_dims = _dims(key, a.actor.megatron, world, actor_shape)
-    if a.rollout.tensor_model_parallel_size > world:
-        raise PlanInputError(f"actor_rollout_ref.rollout.tensor_model_parallel_size="
-                             f"{a.rollout.tensor_model_parallel_size} needs more GPUs than "
+    t_g = a.rollout.tensor_model_parallel_size
+    if rollout_pool and (t_g > place.world("rollout") or place.world("rollout") % t_g):
+        raise PlanInputError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={t_g} does not divide the rollout "
+                             f"pool's {place.world('rollout')} GPUs ({place.describe('rollout')})")
+    if not rollout_pool and t_g > world:
+        raise PlanInputError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={t_g} needs more GPUs than "
                              f"trainer.nnodes*n_gpus_per_node = {world}")
     try:
         GenerationDims(a.rollout.tensor_model_parallel_size).validate(actor_dims, actor_shape.model_shape)
@@ -298,4 +319,39 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
                bucket_bytes=a.rollout.reshard_bucket_bytes,
                nnodes=t.nnodes, gpus_per_node=t.n_gpus_per_node, placement=t.placement, dtype=dtype, device=device,
                options=options, old_log_prob_pass=not skips_old_log_prob(cfg), algorithm=cfg.algorithm.adv_estimator,
-               lengths=lengths, prompt_mean=prompt_mean)
+               lengths=lengths, prompt_mean=prompt_mean, rollout_pool=rollout_pool,
+               pool_procs=dict(place.pools) if rollout_pool else {}, async_mode=cfg.async_training.mode,
+               sync_every=cfg.async_training.trigger_parameter_sync_step)
+
+
+PRESETS_ONLY = ("trainer.resource_pools: the planner models the presets (trainer.placement=colocate | split | "
+                "standalone, every pool nnodes x n_gpus_per_node) and the async layout (an actor pool for every "
+                "training role and a rollout pool: trainer.role_pools.rollout), not other pools yet")
+
+
+def _async_layout(cfg: HybridFlowConfig, place) -> str | None:
+    """The rollout pool of the async layout (None for the presets), after the checks the planner needs: two pools,
+    every training role on the actor's, async_training.mode one the planner models."""
+    from launch.plan.async_step import MODES
+
+    a = cfg.async_training
+    if a.mode not in MODES:
+        raise PlanInputError(f"async_training.mode={a.mode!r}: the planner models {', '.join(MODES)}")
+    if a.trigger_parameter_sync_step < 1:
+        raise PlanInputError(f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step} must be >= 1")
+    if not cfg.trainer.resource_pools:
+        if a.mode != "sync":
+            raise PlanInputError(f"async_training.mode={a.mode} needs the rollout on a pool of its own "
+                                 "(trainer.resource_pools and trainer.role_pools.rollout)")
+        return None
+    actor_pool, rollout_pool = place.pool_of("actor_rollout"), place.pool_of("rollout")
+    if rollout_pool == actor_pool:
+        raise PlanInputError(f"trainer.role_pools.rollout={rollout_pool!r} is the actor's pool: a rollout pool must "
+                             "be a pool of its own")
+    others = {r: p for r, p in place.role_pools.items() if r != "rollout" and p != actor_pool}
+    if others or len(place.pools) != 2:
+        raise PlanInputError(PRESETS_ONLY + f"; got {place.summary()}")
+    if resolve_shape("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path).is_moe:
+        raise PlanInputError("trainer.role_pools.rollout with an MoE actor: the cross-pool weight sync does not plan "
+                             "routed experts (the trainer refuses it too)")
+    return rollout_pool

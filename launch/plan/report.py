@@ -24,8 +24,16 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def layout_lines(plan: Plan) -> list[str]:
     j = plan.job
-    out = [f"cluster: {j.nnodes} nodes x {j.gpus_per_node} {j.device.name} = {j.world} GPUs per pool, "
-           f"placement={j.placement} ({len(j.pools)} pool{'s' if len(j.pools) > 1 else ''}, {j.total_gpus} GPUs)",
+    if j.rollout_pool:
+        pools = ", ".join(f"{p} {list(j.pool_procs[p])}" for p in j.pools)
+        cluster = (f"cluster: {j.device.name}, async layout: pools {pools} (GPUs per node), {j.total_gpus} GPUs; "
+                   f"rollout on '{j.rollout_pool}', async_training.mode={j.async_mode}, weight sync every "
+                   f"{j.sync_every} step{'s' if j.sync_every > 1 else ''}")
+    else:
+        cluster = (f"cluster: {j.nnodes} nodes x {j.gpus_per_node} {j.device.name} = {j.world} GPUs per pool, "
+                   f"placement={j.placement} ({len(j.pools)} pool{'s' if len(j.pools) > 1 else ''}, "
+                   f"{j.total_gpus} GPUs)")
+    out = [cluster,
            f"batch: {j.prompts} prompts x n={j.n}, {j.prompt_len} prompt + {j.response_len} response tokens, "
            f"dtype {j.dtype}, kernels {j.options.kernels}, recompute {j.options.recompute}, vpp {j.options.vpp}",
            f"lengths: responses {j.lengths.source} (mean {j.lengths.sample_mean():.0f} after the budget), prompt mean "
@@ -37,7 +45,7 @@ def layout_lines(plan: Plan) -> list[str]:
                if r.shape.is_moe else "")
         out.append(f"  {name:<12} {r.shape.name} ({r.shape.source}): tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp} "
                    f"sp={d.sp}{moe} dist_opt={r.dist_opt}")
-    out.append(f"  {'rollout':<12} vLLM t_g={j.t_g}, {j.world // j.t_g} replicas, KV budget "
+    out.append(f"  {'rollout':<12} vLLM t_g={j.t_g}, {j.rollout_world // j.t_g} replicas, KV budget "
                f"{gib(j.kv_cache_bytes)} GiB")
     return out
 
@@ -66,7 +74,14 @@ def memory_table(plan: Plan) -> str:
 
 def time_table(plan: Plan) -> str:
     rows = [[s.name, f"{s.seconds:.1f}", s.detail] for s in plan.stages]
-    rows.append(["step", f"{plan.step_s:.1f}", f"{plan.tokens:.0f} tokens, {plan.tokens_per_gpu_s:.0f} tokens/GPU/s"])
+    how = f"{plan.tokens:.0f} tokens, {plan.tokens_per_gpu_s:.0f} tokens/GPU/s"
+    if plan.job.rollout_pool:
+        gen, train, sync = plan.async_parts
+        rollout_idle, train_idle = plan.idle_fractions
+        formula = "gen + train + sync" if plan.job.async_mode == "sync" else "max(gen, train) + sync"
+        how = (f"{plan.job.async_mode}: {formula} = gen {gen:.1f} (rollout pool), train {train:.1f} (actor pool), "
+               f"sync {sync:.1f}; idle: rollout pool {rollout_idle:.0%}, actor pool {train_idle:.0%}; {how}")
+    rows.append(["step", f"{plan.step_s:.1f}", how])
     return table(["stage", "seconds", "how"], rows)
 
 

@@ -306,6 +306,35 @@ def transition(job: Job) -> StageTime:
                                         f"{transition_link_bytes_s(job) / 1e9:.3g} GB/s")
 
 
+def pool_link_bytes_s(job: Job) -> float:
+    """Between the actor's pool and the rollout pool: NVLink when both fit in one node together, else the NICs
+    (async_step.pools_share_node)."""
+    from launch.plan.async_step import pools_share_node
+
+    actor, rollout = job.pool_procs[job.roles["actor"].pool], job.pool_procs[job.rollout_pool]
+    if pools_share_node(list(actor), list(rollout), job.gpus_per_node):
+        return job.device.nvlink_bytes_s * eff("link")
+    return job.device.internode_bytes_s * eff("internode_link")
+
+
+def weight_sync(job: Job) -> StageTime:
+    """The async layout's weight sync (launch/plan/async_step.py): each rollout rank receives its M/t_g shard, the
+    busiest training rank sends its slice to each rollout replica it serves; amortised over
+    trigger_parameter_sync_step steps."""
+    from launch.plan import async_step as A
+
+    d = job.roles["actor"].dims
+    model = M.total_params(job.roles["actor"].shape) * elem_bytes(job)
+    recv = A.rollout_rank_recv_bytes(model, job.t_g)
+    send = A.busiest_sender_bytes(model, d.tp, d.pp, d.dp * d.cp, job.rollout_world // job.t_g)
+    link = pool_link_bytes_s(job)
+    one = A.weight_sync_s(recv, send, link)
+    sec = A.sync_per_step_s(one, job.sync_every)
+    return StageTime("weight_sync", sec, f"{recv / 1e9:.2f} GB received per rollout GPU, {send / 1e9:.2f} GB sent by "
+                                         f"the busiest training GPU, at {link / 1e9:.3g} GB/s: {one:.1f} s every "
+                                         f"{job.sync_every} step{'s' if job.sync_every > 1 else ''}")
+
+
 # ---- generation ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DecodeModel:
@@ -392,7 +421,7 @@ def continuous_batching(lengths: list[int], slots: int, prompt: float) -> list[t
 
 def generation(job: Job) -> StageTime:
     shape, e, dev, t_g = job.roles["actor"].shape, elem_bytes(job), job.device, job.t_g
-    replicas = job.world // t_g
+    replicas = job.rollout_world // t_g  # the rollout pool's GPUs, or the actor's (the rollout in its processes)
     per_replica = math.ceil(job.sequences / replicas)
     kv_tok = M.kv_bytes_per_token(shape, t_g, e)
     prompt = job.prompt_mean
@@ -445,7 +474,7 @@ def offload_traffic(job: Job) -> StageTime:
 
 
 def step_times(job: Job) -> list[StageTime]:
-    out = [transition(job), generation(job)]
+    out = [weight_sync(job) if job.rollout_pool else transition(job), generation(job)]
     r = job.roles
     if job.old_log_prob_pass:
         out.append(forward_pass(job, r["actor"], "old_log_prob"))

@@ -1,0 +1,74 @@
+"""Asynchronous RL on split pools (docs/async.md, issue #25): one step when generation runs on a rollout pool of its
+own and the training stages on the actor's pool, with the weight sync between them. Pure functions of seconds and
+bytes; step_time.py feeds them the planner's stage times.
+
+- Generation: the rollout pool's vLLM replicas at rollout TP (step_time.generation on the rollout pool's GPUs).
+- Training: old/ref log-probs, values, RM, the updates and offload traffic, on the actor pool's GPUs.
+- Weight sync (hybridflow/resharding/cross_pool.py's plan): every rollout rank receives exactly its vLLM shard,
+  M/t_g bytes; rollout replica q reads from training data replica q mod (cp*dp), each of whose ranks sends its own
+  M/(t*p) slice, so the busiest training rank sends that once per replica it serves. The slower of the two, over the
+  link between the pools, every `async_training.trigger_parameter_sync_step` steps (amortised per step).
+- sync mode: gen + train + sync. one_step_off_policy: max(gen, train) + sync. The sync is not overlapped with
+  anything: RayPPOTrainer.sync_rollout_weights waits for both the send and the receive, and the receive queues on
+  the rollout workers behind the next batch's generation (started before the training stages), so it starts only
+  when both generation and training are done, and the next step starts only after it (the trainer's
+  `send(wait=False)` exists, but the step does not use it).
+- Idle fractions count the sync as busy on both pools (one sends, the other receives), as
+  launch/benchmark/async_ablation.py's row_metrics does with weight_sync/send_s and recv_s.
+Steady state: the first step of one_step_off_policy (nothing generated ahead yet) is a sync-mode step.
+"""
+
+from __future__ import annotations
+
+import math
+
+MODES = ("sync", "one_step_off_policy")
+
+
+def rollout_rank_recv_bytes(model_bytes: float, t_g: int) -> float:
+    """What each rollout rank receives per sync: its vLLM tensor-parallel shard, M/t_g (nothing is held locally)."""
+    return model_bytes / t_g
+
+
+def busiest_sender_bytes(model_bytes: float, tp: int, pp: int, train_replicas: int, rollout_replicas: int) -> float:
+    """What the busiest training rank sends per sync: its M/(tp*pp) slice once for each rollout replica it serves
+    (replica q reads from training data replica q mod train_replicas, train_replicas = cp*dp)."""
+    return math.ceil(rollout_replicas / train_replicas) * model_bytes / (tp * pp)
+
+
+def pools_share_node(actor_procs: list[int], rollout_procs: list[int], gpus_per_node: int) -> bool:
+    """ASSUMED placement: the two pools share a node (NVLink between them) only when both fit in one node together;
+    otherwise the sync crosses the inter-node network (Ray places each pool's bundles; a pool of its own is then on
+    nodes of its own)."""
+    return len(actor_procs) == 1 and len(rollout_procs) == 1 and actor_procs[0] + rollout_procs[0] <= gpus_per_node
+
+
+def weight_sync_s(recv_bytes: float, send_bytes: float, link_bytes_s: float) -> float:
+    """One sync: the larger of a rollout rank's receive and the busiest training rank's send over the link (per GPU,
+    per direction)."""
+    return max(recv_bytes, send_bytes) / link_bytes_s
+
+
+def sync_per_step_s(sync_s: float, every: int) -> float:
+    """The sync runs every `every` steps (trigger_parameter_sync_step): its share of one step."""
+    if every < 1:
+        raise ValueError(f"async_training.trigger_parameter_sync_step={every} must be >= 1")
+    return sync_s / every
+
+
+def async_step_s(gen_s: float, train_s: float, sync_s: float, mode: str) -> float:
+    """One step on split pools: sync = gen + train + sync (no overlap); one_step_off_policy = max(gen, train) +
+    sync (generation of step k+1 overlaps training of step k; the sync waits for both)."""
+    if mode == "sync":
+        return gen_s + train_s + sync_s
+    if mode == "one_step_off_policy":
+        return max(gen_s, train_s) + sync_s
+    raise ValueError(f"async_training.mode={mode!r}; the planner models {', '.join(MODES)}")
+
+
+def idle_fractions(gen_s: float, train_s: float, sync_s: float, mode: str) -> tuple[float, float]:
+    """(rollout pool, training pool) idle shares of the step; the sync is busy time on both."""
+    step = async_step_s(gen_s, train_s, sync_s, mode)
+    if step <= 0:
+        return 0.0, 0.0
+    return max(0.0, 1 - (gen_s + sync_s) / step), max(0.0, 1 - (train_s + sync_s) / step)
