@@ -162,8 +162,8 @@ _EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.e
 def _fused_expert_view(name: str, params: dict) -> torch.Tensor | None:
     """Where a checkpoint-format MoE tensor lives in a transformers >= 5 model, which holds each layer's experts
     fused: `mlp.experts.gate_up_proj` [E, 2*ffn, hidden] (gate rows, then up rows) and `mlp.experts.down_proj`
-    [E, hidden, ffn], and Mixtral's `block_sparse_moe.*` under `mlp.*` (checked against from_pretrained in
-    tests/test_moe_rollout.py). None: no such parameter."""
+    [E, hidden, ffn], and Mixtral's `block_sparse_moe.*` under `mlp.*`. The weight sync of tests/test_e2e_moe.py
+    goes through here (fp32 rollout and training log-probs then agree within 1e-4). None: no such parameter."""
     m = _EXPERT_TENSOR.match(name)
     if m is None:
         renamed = name.replace(".block_sparse_moe.", ".mlp.")
