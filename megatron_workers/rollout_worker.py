@@ -50,7 +50,8 @@ class RolloutWorker(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_weight_sync(self, host: str, port: int, num_train: int, timeout_s: float = 300.0) -> dict:
         """Join the sync group as rank num_train + this rank (collective with the actor group's init_weight_sync)."""
-        from hybridflow.resharding.cross_pool import RolloutLayout, RolloutReceiver, make_sync_group
+        from hybridflow.resharding.cross_pool import RolloutReceiver, make_sync_group
+        from hybridflow.resharding.cross_pool_plan import RolloutLayout
 
         world = num_train + self.world_size
         group = make_sync_group(host, port, num_train + self.rank, world, timeout_s=timeout_s)

@@ -1,4 +1,4 @@
-"""Cross-pool weight-sync plan (hybridflow/resharding/cross_pool.py): hand-computed cases, properties over random
+"""Cross-pool weight-sync plan (hybridflow/resharding/cross_pool_plan.py): hand-computed cases, properties over random
 layouts (checked on plain row sets, not the planner's interval arithmetic), and errors that name the problem."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from hybridflow.parallel.dims import LayoutError, ModelShape, ParallelDims
-from hybridflow.resharding.cross_pool import Message, RolloutLayout, plan_cross_pool
+from hybridflow.resharding.cross_pool_plan import Message, RolloutLayout, plan_cross_pool
 from hybridflow.resharding.planner import ParamSpec, plan_resharding
 
 F32 = 4

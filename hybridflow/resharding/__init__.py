@@ -8,5 +8,6 @@ megatron_specs.py Megatron parameters -> ParamSpecs (from their own TP attribute
 vllm_groups.py    makes vLLM's TP groups the planned ones (version-checked, scoped patch)
 vllm_layout.py    generation shards -> vLLM (CPU: reload_weights; GPU: direct copy), via hf_mapping
 hybrid_engine.py  HybridEngine: all of the above for one actor/rollout worker
-cross_pool.py     weights from a training pool to a separate rollout pool (async RL): plan, sync group, send/receive
+cross_pool_plan.py  the plan of weights from a training pool to a separate rollout pool (async RL), pure
+cross_pool.py     carrying it out: the sync group, the handshake, send/receive
 """

@@ -171,7 +171,7 @@ def validate(cfg: HybridFlowConfig) -> None:
                       place.describe("actor_rollout"))
     try:
         if "rollout" in place.role_pools:  # a pool of its own: t_g against the model and that pool (async_checks)
-            from hybridflow.resharding.cross_pool import RolloutLayout
+            from hybridflow.resharding.cross_pool_plan import RolloutLayout
 
             if place.world("rollout") % a.rollout.tensor_model_parallel_size == 0:
                 RolloutLayout(ranks=place.world("rollout"), tp=a.rollout.tensor_model_parallel_size).validate(

@@ -4,7 +4,7 @@ bytes; step_time.py feeds them the planner's stage times.
 
 - Generation: the rollout pool's vLLM replicas at rollout TP (step_time.generation on the rollout pool's GPUs).
 - Training: old/ref log-probs, values, RM, the updates and offload traffic, on the actor pool's GPUs.
-- Weight sync (hybridflow/resharding/cross_pool.py's plan): every rollout rank receives exactly its vLLM shard,
+- Weight sync (hybridflow/resharding/cross_pool_plan.py): every rollout rank receives exactly its vLLM shard,
   M/t_g bytes; rollout replica q reads from training data replica q mod (cp*dp), each of whose ranks sends its own
   M/(t*p) slice, so the busiest training rank sends that once per replica it serves. The slower of the two, over the
   link between the pools, every `async_training.trigger_parameter_sync_step` steps (amortised per step).

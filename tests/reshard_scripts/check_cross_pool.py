@@ -105,7 +105,8 @@ def run_rollout(rank: int, a) -> dict:
                           MASTER_PORT=str(a.rollout_port))
     import vllm
 
-    from hybridflow.resharding.cross_pool import RolloutLayout, RolloutReceiver, make_sync_group, measure_bandwidth
+    from hybridflow.resharding.cross_pool import RolloutReceiver, make_sync_group, measure_bandwidth
+    from hybridflow.resharding.cross_pool_plan import RolloutLayout
     from megatron_workers.hf_io import read_hf_config
 
     kwargs = dict(model=a.w0, tokenizer=a.w0, dtype="float32", tensor_parallel_size=a.TG, enforce_eager=True,

@@ -22,14 +22,13 @@ import torch
 
 from hybridflow.parallel.dims import ParallelDims
 from hybridflow.resharding.cross_pool import (
-    CrossPoolError,
-    RolloutLayout,
     RolloutReceiver,
     TrainerSender,
     handshake,
     make_sync_group,
     measure_bandwidth,
 )
+from hybridflow.resharding.cross_pool_plan import CrossPoolError, RolloutLayout
 from hybridflow.resharding.planner import ParamSpec
 
 
