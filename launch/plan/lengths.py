@@ -98,7 +98,7 @@ def from_records(budget: int, response_lengths: list[int], prompt_lengths: list[
 
 
 def from_rollout_dir(budget: int, directory: str | Path) -> tuple[Lengths, float]:
-    """Read every step_*.jsonl under a run's trainer.rollout_data_dir (hybridflow.trainer.ppo_trainer.rollout_records:
+    """Read every step_*.jsonl under a run's trainer.rollout_data_dir (hybridflow.trainer.rollout_dump.rollout_records:
     prompt_ids and response_ids per sample)."""
     files = sorted(Path(directory).glob("step_*.jsonl"))
     if not files:
