@@ -18,12 +18,12 @@ import torch
 
 from hybridflow.controller import Dispatch, register
 from hybridflow.protocol import DataProto
+from megatron_workers.serving import ROLLOUT_MESH, ServingRole
 
 logger = logging.getLogger(__name__)
-ROLLOUT_MESH = "rollout"
 
 
-class RolloutRole:
+class RolloutRole(ServingRole):
     """Mixin: needs `self.config` (ActorRolloutRefConfig), `self.dims`, `self.actor` (MegatronEngine)."""
 
     rollout = None
@@ -95,7 +95,7 @@ class RolloutRole:
         out.meta_info["metrics"] = metrics
         return out
 
-    # ---- server mode (actor_rollout_ref.rollout.mode=async; hybridflow/rollout/server.py drives these) -----
+    # ---- server mode: begin_serving here (it reshards); serve_tick, interrupt_serving, end_serving in ServingRole
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def begin_serving(self, weight_version: int) -> dict:
@@ -107,29 +107,5 @@ class RolloutRole:
         self.rollout.resume()
         metrics = self._sync_weights()
         self.weight_version = int(weight_version)
-        self._serve_t0 = time.perf_counter()
-        self._serve_busy_s = 0.0
+        self._start_serving_clock()
         return metrics
-
-    @register(dispatch=Dispatch.DP_PER_REPLICA, mesh=ROLLOUT_MESH)
-    def serve_tick(self, requests: list[dict], max_steps: int = 16) -> list[dict]:
-        """One tick of this replica's engine: add `requests`, step until one finishes (see VLLMRollout.serve_tick);
-        each finished request comes back tagged with the weight version that sampled it."""
-        lockstep = self.rollout.num_replicas > 1 and not getattr(self.rollout, "independent_replicas", True)
-        t = time.perf_counter()
-        with torch.profiler.record_function("serve_tick"):
-            done = self.rollout.serve_tick(requests, max_steps=max_steps, lockstep=lockstep)
-        self._serve_busy_s += time.perf_counter() - t
-        for d in done:
-            d["weight_version"] = self.weight_version
-        return done
-
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def end_serving(self) -> dict:
-        """Drops whatever is still in flight (the driver only ends a phase once every request it sent came back,
-        so anything here is an error path) and releases the engine."""
-        aborted = self.rollout.abort_in_flight()
-        wall = time.perf_counter() - getattr(self, "_serve_t0", time.perf_counter())
-        self.rollout.release()
-        return {"rollout/aborted_requests": float(len(aborted)),
-                "rollout/engine_busy_frac": self._serve_busy_s / wall if wall > 0 else 0.0}

@@ -6,8 +6,10 @@ pool's own torch.distributed world is vLLM's (its TP groups, consecutive ranks);
 backend object spanning both pools, so neither world is disturbed.
 
 Methods mirror the colocated rollout's (megatron_workers/rollout_role.py) so the driver calls either the same
-way: `generate_sequences` (DP over the rollout mesh), plus `init_weight_sync` / `receive_weights`, which the
-actor group's `init_weight_sync` / `send_weights` meet on the other side.
+way: `generate_sequences` (DP over the rollout mesh) or server mode (`begin_serving`, then ServingRole's
+`serve_tick` / `interrupt_serving` / `end_serving`), plus `init_weight_sync` / `receive_weights`, which the actor
+group's `init_weight_sync` / `send_weights` meet on the other side. In server mode the weights change between ticks
+(`receive_weights` while serving: fully_async), never during one.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from hybridflow.config.schema import ActorRolloutRefConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
 from megatron_workers.engine import as_config
-from megatron_workers.rollout_role import ROLLOUT_MESH
+from megatron_workers.serving import ROLLOUT_MESH, ServingRole
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutWorker(Worker):
+class RolloutWorker(ServingRole, Worker):
     def __init__(self, config):
         super().__init__()
         self.config: ActorRolloutRefConfig = as_config(config, ActorRolloutRefConfig)
@@ -84,3 +86,14 @@ class RolloutWorker(Worker):
         out.meta_info["metrics"] = {"rollout/gen_s_per_replica": time.perf_counter() - t,
                                     "rollout/weight_version": float(self.weight_version)}
         return out
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def begin_serving(self, weight_version: int | None = None) -> dict:
+        """Server mode on the rollout pool: the engine keeps the weights last received (their version tags every
+        output; `weight_version` is the driver's expectation and must agree)."""
+        if weight_version is not None and int(weight_version) != self.weight_version:
+            raise RuntimeError(f"begin_serving: the driver expects weight version {weight_version}, this rank holds "
+                               f"{self.weight_version} (receive_weights first)")
+        self.rollout.resume()
+        self._start_serving_clock()
+        return {"rollout/weight_version": float(self.weight_version)}

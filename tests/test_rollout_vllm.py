@@ -226,3 +226,110 @@ def test_abort_in_flight_drops_unfinished_requests(engine, tok):
     assert out == []  # 2 steps < R tokens
     assert rollout.abort_in_flight() == ["long"]
     assert not rollout.llm.llm_engine.has_unfinished_requests()
+
+
+def test_interrupt_hands_back_the_tokens_sampled_so_far(engine, tok):
+    """What a weight update interrupts (fully_async): the tokens and log-probs so far, exactly the greedy prefix."""
+    rollout, hf, _ = engine
+    prompts = make_prompts(tok, meta_info={"do_sample": False})
+    row = [t for t, m in zip(prompts.batch["input_ids"][0].tolist(), prompts.batch["attention_mask"][0].tolist()) if m]
+    assert rollout.serve_tick([_request("cut", row, greedy=True, ignore_eos=True)], max_steps=5) == []
+    (part,) = rollout.interrupt()
+    assert part["request_id"] == "cut" and part["finish_reason"] == "abort"
+    assert part["token_ids"] == hf_greedy(hf, prompts, R)[0][:5]
+    assert len(part["log_probs"]) == 5
+    assert not rollout.llm.llm_engine.has_unfinished_requests() and rollout.interrupt() == []
+
+
+class _InProcessGroup:
+    """The worker-group call shape (`group.method.remote(...).get()`, DP_PER_REPLICA lists) over one real
+    ServingRole host in this process: the server's logic against the real engine, without Ray."""
+
+    def __init__(self, host):
+        from types import SimpleNamespace
+
+        def call(fn, per_replica=False):
+            def remote(*args, **kwargs):
+                value = fn(*[a[0] for a in args], **kwargs) if per_replica else fn(*args, **kwargs)
+                result = [value] if per_replica or fn.__name__ != "begin" else value
+                return SimpleNamespace(get=lambda timeout=None: result)
+            return SimpleNamespace(remote=remote)
+
+        def begin(version):
+            host._start_serving_clock()
+            return {}
+
+        self.begin_serving = call(begin)
+        self.serve_tick = call(host.serve_tick, per_replica=True)
+        self.interrupt_serving = call(host.interrupt_serving)
+        self.end_serving = call(host.end_serving)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_weight_update_mid_request_continues_it_under_the_new_weights(engine, tok, tmp_path, partial):
+    """RolloutServer.update_weights between two ticks (fully_async's weight sync), on the real engine. Partial
+    rollouts: the request keeps its tokens of version 1 (the old model's greedy prefix) and goes on from there
+    with the new model, version 2: HF greedy of the new model continuing the prefix, with the new model's
+    teacher-forced log-probs. Without: the caller gets RequestInterrupted and no tokens."""
+    import asyncio
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.rollout.server import RolloutServer
+    from hybridflow.rollout.server_api import RequestInterrupted, TurnSampling
+    from megatron_workers.serving import ServingRole
+
+    rollout, hf, path = engine
+    new_path = save_tiny_model(tmp_path / "new", preset="tiny", arch=hf.config.model_type, seed=11)
+    new_hf = AutoModelForCausalLM.from_pretrained(new_path, dtype=torch.float32).eval()
+    host = ServingRole()
+    host.rollout, host.weight_version = rollout, 1
+    server = RolloutServer(_InProcessGroup(host), 1, max_steps_per_tick=4)
+    ids = [tok.bos_token_id, *tok("count to ten", add_special_tokens=False)["input_ids"]]
+    sampling = TurnSampling(max_tokens=R, greedy=True)
+
+    def transfer():
+        rollout.load_weights(load_file(new_path / "model.safetensors").items())
+        host.weight_version = 2
+        return "sent"
+
+    async def scenario():
+        async with server.running(weight_version=1):
+            request = asyncio.create_task(server.generate(ids, sampling, "traj"))
+            while server.stats["ticks"] < 1:
+                await asyncio.sleep(0.01)
+            record = await server.update_weights(transfer, 2, partial_rollout=partial)
+            try:
+                return record, await request
+            except RequestInterrupted as e:
+                return record, e
+
+    try:
+        with config_set(rollout, ignore_eos=True):  # the server's requests take it from the config
+            record, out = asyncio.run(scenario())
+    finally:
+        rollout.load_weights(load_file(path / "model.safetensors").items())
+    assert record["transfer"] == "sent" and record["interrupted"] == 1.0
+    if not partial:
+        assert isinstance(out, RequestInterrupted)
+        assert server.stats["dropped"] == 1
+        return
+    m = out.token_versions.count(1)
+    assert 4 <= m < R and out.token_versions == [1] * m + [2] * (R - m)
+    assert len(out.token_ids) == len(out.log_probs) == R and out.min_weight_version == 1 and out.weight_version == 2
+    # Greedy under each model, checked by teacher forcing over the sampled tokens (one HF forward per model): every
+    # token of version 1 is the old model's argmax, every token of version 2 the new model's (within fp32 noise:
+    # random tiny models have near-ties, which HF's own cached decoding may break the other way).
+    with torch.no_grad():
+        full = torch.tensor([ids + out.token_ids])
+        old_logits = hf(full).logits[0, len(ids) - 1:-1].float()
+        new_logits = new_hf(full).logits[0, len(ids) - 1:-1].float()
+    for t, tok_id in enumerate(out.token_ids):
+        logits = old_logits[t] if t < m else new_logits[t]
+        assert logits.max() - logits[tok_id] < 1e-2, (t, m, tok_id, int(logits.argmax()))
+    assert not torch.equal(old_logits[m:].argmax(-1), new_logits[m:].argmax(-1)), "the new weights changed nothing"
+    want = torch.log_softmax(new_logits[m:], -1).gather(-1, torch.tensor(out.token_ids[m:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.log_probs[m:]), want, atol=1e-4, rtol=0)
+    want_old = torch.log_softmax(old_logits[:m], -1).gather(-1, torch.tensor(out.token_ids[:m])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.log_probs[:m]), want_old, atol=1e-4, rtol=0)

@@ -90,13 +90,16 @@ class AgentLoop(abc.ABC):
                                f"{self.request_timeout_s:g} s (rollout.agent.request_timeout_s)") from None
         ids = list(out.token_ids)[:max_tokens]  # an engine that overshoots must not break the budget
         log_probs = None if out.log_probs is None else list(out.log_probs)[: len(ids)]
-        traj.add_model_turn(ids, log_probs, out.finish_reason, out.weight_version)
+        versions = getattr(out, "token_versions", None)  # a client of the LLMClient protocol may not know of them
+        traj.add_model_turn(ids, log_probs, out.finish_reason, out.weight_version,
+                            min(versions[: len(ids)]) if versions else None)
         if out.finish_reason == "abort":
             traj.stop_reason = "abort"
         elif out.finish_reason == "length" or len(ids) >= max_tokens and out.finish_reason != "stop":
             traj.truncated = True
             traj.stop_reason = "budget" if max_tokens == left else "turn_length"
-        return TokenOutput(ids, log_probs, out.finish_reason, out.weight_version)
+        return TokenOutput(ids, log_probs, out.finish_reason, out.weight_version,
+                           list(versions[: len(ids)]) if versions else None)
 
 
 def sample_seed(sample: dict) -> int:

@@ -51,8 +51,9 @@ class Trajectory:
     extra: dict = field(default_factory=dict)  # anything a custom loop wants to hand on
 
     def add_model_turn(self, ids: Sequence[int], log_probs: Sequence[float] | None, finish_reason: str,
-                       weight_version: int = 0) -> TurnRecord:
-        """Appends what the engine sampled for one assistant turn (mask 1)."""
+                       weight_version: int = 0, min_weight_version: int | None = None) -> TurnRecord:
+        """Appends what the engine sampled for one assistant turn (mask 1). `min_weight_version`: the oldest
+        version among its tokens, where a weight update came in the middle of the turn (partial rollouts)."""
         ids = list(ids)
         if log_probs is not None and len(log_probs) != len(ids):
             raise ValueError(f"turn {self.num_turns}: {len(ids)} tokens but {len(log_probs)} log-probs")
@@ -64,7 +65,8 @@ class Trajectory:
             self.rollout_log_probs += [float(x) for x in log_probs]
         if ids:
             lo, hi = self.min_weight_version, self.max_weight_version
-            self.min_weight_version = weight_version if lo is None else min(lo, weight_version)
+            first = weight_version if min_weight_version is None else min(min_weight_version, weight_version)
+            self.min_weight_version = first if lo is None else min(lo, first)
             self.max_weight_version = weight_version if hi is None else max(hi, weight_version)
         self.num_turns += 1
         record = TurnRecord(ids, None if log_probs is None else list(log_probs), finish_reason, weight_version)

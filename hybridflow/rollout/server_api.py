@@ -33,7 +33,18 @@ class TokenOutput:
     token_ids: list[int]
     log_probs: list[float] | None  # one per token; None when the rollout computes none
     finish_reason: str  # "stop": an end-of-sequence / stop token ends it (and is in token_ids); "length"; "abort"
-    weight_version: int = 0  # the version of the weights that sampled these tokens
+    weight_version: int = 0  # the version of the weights that sampled these tokens (the last of them)
+    # one per token where they differ: a request interrupted by a weight update and continued (partial rollout)
+    token_versions: list[int] | None = None
+
+    @property
+    def min_weight_version(self) -> int:
+        return min(self.token_versions) if self.token_versions else self.weight_version
+
+
+class RequestInterrupted(RuntimeError):
+    """A weight update interrupted this request and partial rollouts are off: its tokens are dropped (a sample
+    never mixes versions silently); the caller decides whether to sample it again with the new weights."""
 
 
 class LLMClient(Protocol):

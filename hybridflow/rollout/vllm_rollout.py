@@ -88,6 +88,7 @@ class VLLMRollout(Rollout):
         self._released = False
         self._warned_no_sleep = False
         self.last_stats: dict[str, float] = {}
+        self._serving: dict[str, tuple[list[int], list[float] | None]] = {}  # server mode: tokens so far per request
 
         info = prepare_distributed_env()
         t_g = config.tensor_model_parallel_size
@@ -280,9 +281,9 @@ class VLLMRollout(Rollout):
         from vllm.sampling_params import RequestOutputKind
 
         common = dict(max_tokens=int(r["max_tokens"]), stop_token_ids=list(r.get("stop_token_ids", ())),
-                      ignore_eos=bool(r.get("ignore_eos", False)),
+                      ignore_eos=bool(r.get("ignore_eos", self.config.ignore_eos)),
                       logprobs=0 if self.config.calculate_log_probs else None, detokenize=False,
-                      seed=r.get("seed"), output_kind=RequestOutputKind.FINAL_ONLY)
+                      seed=r.get("seed"), output_kind=RequestOutputKind.DELTA)
         if r.get("greedy"):
             return SamplingParams(temperature=0.0, **common)
         top_k = int(r.get("top_k", -1))
@@ -294,27 +295,34 @@ class VLLMRollout(Rollout):
         until a request finishes (at most `max_steps` steps; lockstep=True: exactly until the engine is idle
         or max_steps, the rule vLLM's data-parallel engines need, whose steps are collectives) and returns the
         finished ones as {request_id, token_ids, log_probs, finish_reason}. Unfinished requests stay in flight
-        for the next tick."""
+        for the next tick.
+
+        Outputs come as deltas and are gathered here per request, so that `interrupt` can hand back what a
+        request has sampled so far (partial rollouts at a weight update, #25)."""
         from vllm.inputs import TokensPrompt
 
         if self._released:
             raise RuntimeError("VLLMRollout.serve_tick after release(); call resume() first")
         engine = self.llm.llm_engine
         for r in requests:
-            engine.add_request(str(r["request_id"]), TokensPrompt(prompt_token_ids=list(r["prompt_ids"])),
-                               self._request_params(r))
+            rid = str(r["request_id"])
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), self._request_params(r))
+            self._serving[rid] = ([], [] if self.config.calculate_log_probs else None)
         done: list[dict] = []
         steps = 0
         start = time.perf_counter()
         while steps < max_steps and engine.has_unfinished_requests():
             steps += 1
             for out in engine.step():
+                toks, lps = self._serving[out.request_id]
+                comp = out.outputs[0]
+                new = list(comp.token_ids)
+                toks += new
+                if lps is not None:
+                    lps += _sampled_log_probs(new, comp.logprobs, out.request_id)
                 if not out.finished:
                     continue
-                comp = out.outputs[0]
-                toks = list(comp.token_ids)
-                lps = _sampled_log_probs(toks, comp.logprobs, out.request_id) if self.config.calculate_log_probs \
-                    else None
+                del self._serving[out.request_id]
                 done.append({"request_id": out.request_id, "token_ids": toks, "log_probs": lps,
                              "finish_reason": "stop" if comp.finish_reason == "stop" else str(comp.finish_reason)})
             if done and not lockstep:
@@ -322,6 +330,14 @@ class VLLMRollout(Rollout):
         self.last_stats = {"seconds": time.perf_counter() - start, "steps": steps,
                            "response_tokens": sum(len(d["token_ids"]) for d in done)}
         return done
+
+    def interrupt(self) -> list[dict]:
+        """Aborts every request in the engine and returns what each sampled so far, as {request_id, token_ids,
+        log_probs, finish_reason: "abort"} (a weight update with partial rollouts continues them from there)."""
+        partial = [{"request_id": rid, "token_ids": toks, "log_probs": lps, "finish_reason": "abort"}
+                   for rid, (toks, lps) in self._serving.items()]
+        self.abort_in_flight()
+        return partial
 
     def abort_in_flight(self) -> list[str]:
         """Drops every request still in the engine (a server shutting down, or a weight update without
@@ -331,6 +347,7 @@ class VLLMRollout(Rollout):
         external = [st.external_req_id for st in states.values()]
         if states:
             engine.abort_request(list(states), internal=True)
+        self._serving.clear()
         return external
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
