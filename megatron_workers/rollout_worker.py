@@ -89,11 +89,9 @@ class RolloutWorker(ServingRole, Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def begin_serving(self, weight_version: int | None = None) -> dict:
-        """Server mode on the rollout pool: the engine keeps the weights last received (their version tags every
-        output; `weight_version` is the driver's expectation and must agree)."""
-        if weight_version is not None and int(weight_version) != self.weight_version:
-            raise RuntimeError(f"begin_serving: the driver expects weight version {weight_version}, this rank holds "
-                               f"{self.weight_version} (receive_weights first)")
+        """Server mode on the rollout pool: the engine keeps the weights last received, and their version (not the
+        driver's `weight_version`, which names the step it serves: validation at step 0 runs on version 1) tags
+        every output."""
         self.rollout.resume()
         self._start_serving_clock()
         return {"rollout/weight_version": float(self.weight_version)}

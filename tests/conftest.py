@@ -73,6 +73,33 @@ def plain_run(warm_assets, tmp_path_factory):
     return root / "run", root / "log"
 
 
+# The rollout on a pool of its own (#25): actor, ref and critic on two processes, vLLM on two others.
+SPLIT_POOLS = ("trainer.resource_pools.actor=[2]", "trainer.resource_pools.rollout=[2]",
+               "trainer.role_pools.actor_rollout=actor", "trainer.role_pools.ref=actor",
+               "trainer.role_pools.critic=actor", "trainer.role_pools.rollout=rollout")
+# PLAIN_JOB in server mode on split pools, as test_e2e_server_mode.py checks it and test_e2e_async.py's fully_async
+# runs repeat it: the old-log-prob pass on (its max diff to the rollout's), the rollout correction (token TIS, ~1
+# on policy) on.
+SERVER_JOB = (*PLAIN_JOB, *SPLIT_POOLS, "actor_rollout_ref.rollout.mode=async",
+              "actor_rollout_ref.recompute_old_log_prob=true", "algorithm.rollout_correction.rollout_is=token")
+
+
+@pytest.fixture(scope="session")
+def server_run(warm_assets, tmp_path_factory):
+    """SERVER_JOB (synchronous), validating before training: <root>/run, val_dump, samples."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    from test_e2e_trainer import _cmd, _run
+
+    root = tmp_path_factory.mktemp("server_mode")
+    _run(_cmd("ppo_tiny_cpu.yaml", root / "run", f"actor_rollout_ref.model.path={warm_assets['model']}",
+              f"data.train_files=[{warm_assets['train']}]", *SERVER_JOB,
+              f"data.val_files=[{warm_assets['test']}]", "trainer.val_before_train=true",
+              f"trainer.validation_data_dir={root / 'val_dump'}", f"trainer.rollout_data_dir={root / 'samples'}"),
+         root / "log")
+    return root
+
+
 # ---- the serial group -------------------------------------------------------------------------------------------
 # `make test` runs the suite in two phases (docs/index.md, "The tests"): the tests that can share the machine two at
 # a time under pytest-xdist (`-n 2 --phase parallel`), then the serial group one at a time (`--phase serial`).

@@ -1,7 +1,10 @@
-"""Server mode end to end (actor_rollout_ref.rollout.mode=async, single turn): real Ray, Megatron TP=2 actor,
-vLLM engines driven tick by tick from the driver's RolloutServer, the same stages after gen.
+"""Server mode end to end (actor_rollout_ref.rollout.mode=async, single turn): real Ray, Megatron TP=2 actor on one
+pool, two vLLM processes on a rollout pool of their own driven tick by tick from the driver's RolloutServer, the
+weights sent across pools before every step, the same stages after gen. (The colocated server, resharding with the
+3D-HybridEngine at each begin_serving, runs in test_e2e_agent.py.)
 
-One 2-step PPO run of conftest's PLAIN_JOB in server mode, validating (greedy) before training:
+One 2-step PPO run of conftest's PLAIN_JOB in server mode (conftest's `server_run`, also the synchronous yardstick
+of fully_async in test_e2e_async.py), validating (greedy) before training:
 - the step-0 validation went through the server and equals HF transformers' greedy generation token for token
   (the reference of test_e2e_validation.py, independent of our code);
 - training reads the same prompts as the batch-mode run (the data trace), and the rollout's own log-probs of the
@@ -17,27 +20,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_e2e_trainer import _cmd, _rows, _run
+from test_e2e_trainer import _rows
 from test_e2e_validation import KEY, SCORE_ATOL, TIE, _hf_greedy
 
 # fp32 vLLM vs Megatron TP=2 over the same tokens: measured below 1e-5 mean in the HybridEngine tests.
 LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX = 1e-5, 1e-4
-
-
-@pytest.fixture(scope="module")
-def server_run(warm_assets, tmp_path_factory):
-    from conftest import PLAIN_JOB
-
-    root = tmp_path_factory.mktemp("server_mode")
-    _run(_cmd("ppo_tiny_cpu.yaml", root / "run", f"actor_rollout_ref.model.path={warm_assets['model']}",
-              f"data.train_files=[{warm_assets['train']}]", *PLAIN_JOB, "actor_rollout_ref.rollout.mode=async",
-              "actor_rollout_ref.recompute_old_log_prob=true",  # the old-log-prob pass gives the max diff too
-              # the rollout correction (decoupled, token TIS) end to end: on policy its weights must be ~1
-              "algorithm.rollout_correction.rollout_is=token",
-              f"data.val_files=[{warm_assets['test']}]", "trainer.val_before_train=true",
-              f"trainer.validation_data_dir={root / 'val_dump'}", f"trainer.rollout_data_dir={root / 'samples'}"),
-         root / "log")
-    return root
 
 
 @pytest.mark.slow
@@ -66,7 +53,9 @@ def test_server_mode_trains_on_what_the_engine_sampled_through_the_same_stages(s
     train = [r for r in _rows(run) if r["step"] > 0]
     plain = _rows(plain_run[0])
     assert [r["step"] for r in train] == [1, 2]
-    missing = set(plain[-1]) - set(train[-1]) - {"rollout/logprob_diff_mean"}  # (plain: from the update's forward)
+    # (plain: the logprob diff from the update's forward; the colocated reshard's timings; split: weight_sync/*)
+    colocated_only = {"rollout/logprob_diff_mean", "timing_s/reshard", "perf/transition_s"}
+    missing = set(plain[-1]) - set(train[-1]) - colocated_only - {k for k in plain[-1] if k.startswith("reshard/")}
     assert not missing, sorted(missing)
     for r in train:
         assert r["rollout/logprob_diff_mean"] < LOGPROB_DIFF_MEAN, r["rollout/logprob_diff_mean"]

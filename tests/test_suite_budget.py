@@ -14,7 +14,7 @@ import pytest
 
 # Fixtures behind a whole trainer run or a simulated multi-node cluster (tests/conftest.py, the cluster tests).
 # The shared ray_cluster alone is not one: it starts once a session, and its users take seconds.
-E2E_FIXTURES = {"observed_run", "plain_run", "warm_assets", "cluster"}
+E2E_FIXTURES = {"observed_run", "plain_run", "server_run", "warm_assets", "cluster"}
 E2E_BUDGET = 32  # 23 on 2026-12-04; 29 after server mode and agent loops (one run for two tests each) and split
 # pools (two runs): test_e2e_{server_mode,agent,async}; plus room for 3. Raise it deliberately
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from hybridflow.algorithms.choices import require_choice
 
-MODES = ("sync", "one_step_off_policy")
-NOT_YET = ("fully_async",)
+MODES = ("sync", "one_step_off_policy", "fully_async")
 
 
 def split_rollout(cfg) -> bool:
@@ -17,18 +16,16 @@ def split_rollout(cfg) -> bool:
 def validate_async(cfg, place) -> None:
     """`place`: the job's Placement (preflight.placement_of)."""
     a, r = cfg.async_training, cfg.actor_rollout_ref.rollout
-    if a.mode in NOT_YET:
-        raise ValueError(f"async_training.mode={a.mode} is not supported yet; use one_step_off_policy (a rollout pool "
-                         "generating step k+1 while step k trains)")
     require_choice("async_training.mode", a.mode, MODES)
     if a.staleness_threshold < 0:
         raise ValueError(f"async_training.staleness_threshold={a.staleness_threshold} must be >= 0")
-    if a.staleness_threshold > 0:
+    if a.staleness_threshold > 0 and a.mode != "fully_async":
         raise ValueError(f"async_training.staleness_threshold={a.staleness_threshold}: a staleness bound belongs to "
-                         "fully_async, which is not supported yet (one_step_off_policy is one version behind)")
-    if a.partial_rollout:
-        raise ValueError("async_training.partial_rollout=true needs async_training.mode=fully_async (not supported "
-                         f"yet); got mode={a.mode}")
+                         f"async_training.mode=fully_async; got mode={a.mode} (one_step_off_policy is always one "
+                         "version behind, sync none)")
+    if a.partial_rollout and a.mode != "fully_async":
+        raise ValueError("async_training.partial_rollout=true (continuing requests across a weight update) needs "
+                         f"async_training.mode=fully_async; got mode={a.mode}")
     if a.trigger_parameter_sync_step < 1:
         raise ValueError(f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step} must be >= 1")
     total = cfg.trainer.total_training_steps
@@ -59,6 +56,10 @@ def validate_async(cfg, place) -> None:
                          "or t_g=1")
     if r.name != "vllm":
         raise ValueError(f"trainer.role_pools.rollout runs vLLM; actor_rollout_ref.rollout.name={r.name!r}")
-    if r.mode != "sync":
-        raise ValueError("actor_rollout_ref.rollout.mode=async (server mode) on a rollout pool of its own is not "
-                         "supported yet; use rollout.mode=sync with trainer.role_pools.rollout")
+    if a.mode == "fully_async" and r.mode != "async":
+        raise ValueError("async_training.mode=fully_async produces request by request through the rollout server: "
+                         f"set actor_rollout_ref.rollout.mode=async (got {r.mode!r})")
+    if a.mode == "one_step_off_policy" and r.mode == "async":
+        raise ValueError("async_training.mode=one_step_off_policy generates whole batches (actor_rollout_ref.rollout."
+                         "mode=sync); in server mode use async_training.mode=fully_async with "
+                         "async_training.staleness_threshold=1, its request-by-request equivalent")

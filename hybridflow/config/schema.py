@@ -452,10 +452,16 @@ class AsyncTrainingConfig:
 
     # sync: generate, then train (on split pools: the rollout pool waits while the trainer works). one_step_off_policy:
     # the batch of step k+1 is generated while step k trains, by the weights of step k (one version behind).
+    # fully_async: the rollout pool produces continuously (server mode), up to staleness_threshold versions ahead
+    # (hybridflow/trainer/async_producer.py, docs/async.md).
     mode: str = "sync"
     trigger_parameter_sync_step: int = 1  # verl's: weights go to the rollout pool every this many updates
-    staleness_threshold: float = 0.0  # verl's (fully_async, not supported yet): only 0 is accepted
-    partial_rollout: bool = False  # verl's (fully_async, not supported yet)
+    # fully_async: how many weight versions a batch's tokens may lag behind its step (AReaL's eta, in batches:
+    # 0.5 lets half of the next batch start early); the producer waits rather than drops
+    staleness_threshold: float = 0.0
+    # fully_async: at a weight update, requests in flight continue under the new weights from the tokens they have;
+    # false: they are sampled again from the prompt (counted in rollout/interrupted_dropped)
+    partial_rollout: bool = False
 
 
 @dataclass

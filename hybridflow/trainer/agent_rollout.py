@@ -77,15 +77,19 @@ class AgentRollout:
                              request_timeout_s=r.agent.request_timeout_s)
 
     def generate(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """One batch through the server: its own serving phase (`server.running`), or, while fully_async's
+        producer keeps the server running in its thread (`attached_loop`), a coroutine on that loop."""
+        if self.attached_loop is not None:
+            return asyncio.run_coroutine_threadsafe(self.run_batch(batch), self.attached_loop).result(
+                TRAJECTORY_TIMEOUT_S)
         return asyncio.run(self._generate(batch))
 
-    async def _generate(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
-        from hybridflow.agent.loop import agent_metrics, run_many
-        from hybridflow.agent.trajectory import to_batch
+    attached_loop: asyncio.AbstractEventLoop | None = None
 
+    def samples_of(self, batch: DataProto) -> list[dict]:
+        """One sample per (row, j): the row's fields, its unpadded prompt, its seed and its route key."""
         r = self.rollout_cfg
-        sampling, n, validation = self.sampling(batch.meta_info)
-        response_length = int(batch.meta_info.get("response_length", r.response_length))
+        _, n, validation = self.sampling(batch.meta_info)
         step = int(batch.meta_info.get("global_step", 0))
         uids = batch.non_tensor_batch.get("uid")
         # validation walks the val set in chunks: its rows' dataset index keeps their seeds apart across chunks
@@ -98,15 +102,39 @@ class AgentRollout:
                                 "prompt_ids": ids, "uid": f"{row}.{j}",
                                 "route_key": str(uids[i]) if uids is not None else f"row{row}",
                                 "seed": trajectory_seed(r.seed, step, row, j, validation)})
+        return samples
+
+    def loop_for(self, batch: DataProto):
+        sampling, _, _ = self.sampling(batch.meta_info)
+        return self.make_loop(sampling, int(batch.meta_info.get("response_length", self.rollout_cfg.response_length)))
+
+    async def run_batch(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """The batch's trajectories on a server that is running already."""
+        from hybridflow.agent.loop import run_many
+
         t = time.perf_counter()
+        trajectories = await run_many(self.loop_for(batch), self.samples_of(batch), self.server, self.tools,
+                                      concurrency=self.rollout_cfg.agent.max_concurrent_trajectories,
+                                      timeout_s=TRAJECTORY_TIMEOUT_S)
+        return self.assemble(batch, trajectories, {"rollout/gen_s_per_replica": time.perf_counter() - t})
+
+    async def _generate(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        step = int(batch.meta_info.get("global_step", 0))
         async with self.server.running(weight_version=step) as begin:
-            trajectories = await run_many(self.make_loop(sampling, response_length), samples, self.server,
-                                          self.tools, concurrency=r.agent.max_concurrent_trajectories,
-                                          timeout_s=TRAJECTORY_TIMEOUT_S)
-        metrics = _mean_over_ranks(begin)
+            out, metrics = await self.run_batch(batch)
+        metrics.update(_mean_over_ranks(begin))
         metrics.update(_mean_over_ranks(self.server.end_metrics))
         metrics.update(self.server.metrics())
-        metrics["rollout/gen_s_per_replica"] = time.perf_counter() - t
+        return out, metrics
+
+    def assemble(self, batch: DataProto, trajectories, metrics: dict[str, float]) -> tuple[DataProto, dict]:
+        """The verl-shaped rollout batch of `batch`'s trajectories (row i's n samples together, in order) and
+        gen's metrics: the agent metrics and the weight versions the model tokens were sampled by."""
+        from hybridflow.agent.loop import agent_metrics
+        from hybridflow.agent.trajectory import to_batch
+
+        _, n, _ = self.sampling(batch.meta_info)
+        response_length = int(batch.meta_info.get("response_length", self.rollout_cfg.response_length))
         rows = batch.repeat(n, interleave=True) if n > 1 else batch[:]
         out = to_batch(trajectories, self.tokenizer.pad_token_id, batch.batch["input_ids"].shape[1], response_length)
         for k, v in rows.non_tensor_batch.items():

@@ -148,13 +148,14 @@ class RayPPOTrainer:
         self.rollout_group = rollout
         self.gen_group = rollout if rollout is not None else actor_rollout_ref  # where generate_sequences runs
         self.one_step = cfg.async_training.mode == "one_step_off_policy"
+        self.producer = None  # fully_async: the rollout pool's producer thread (hybridflow/trainer/async_producer.py)
         self._prefetched = None  # one_step_off_policy: (batch, its generation in flight, sampler state before it)
         self.weight_version = 0  # of the weights on the rollout pool: the step they serve in the synchronous loop
         self.agent_rollout = None  # server mode (rollout.mode=async): gen through agent loops, same stages after
         if cfg.actor_rollout_ref.rollout.mode == "async":
             from hybridflow.trainer.agent_rollout import AgentRollout
 
-            self.agent_rollout = AgentRollout(cfg, actor_rollout_ref, tokenizer)
+            self.agent_rollout = AgentRollout(cfg, self.gen_group, tokenizer)
         from hybridflow.trainer.timeline import StepTimeline
 
         groups = [actor_rollout_ref, critic, ref, reward_model]
@@ -252,15 +253,54 @@ class RayPPOTrainer:
 
     def sync_rollout_weights(self) -> dict[str, float]:
         """The actor's current weights to the rollout pool, shard to shard (both groups at once); they then serve
-        step global_step + 1."""
+        step global_step + 1. fully_async: between two ticks of the producer's server, which interrupts what is in
+        flight (continued or sampled again, async_training.partial_rollout)."""
         version = self.global_step + 1
+        if self.producer is None:
+            metrics = self._transfer_weights(version)
+        else:
+            record = self.producer.update_weights(lambda: self._transfer_weights(version), version)
+            metrics = record["transfer"]
+            metrics["weight_sync/interrupt_s"] = record["interrupt_s"]
+            metrics["weight_sync/interrupted_requests"] = record["interrupted"]
+        self.weight_version = version
+        return metrics
+
+    def _transfer_weights(self, version: int) -> dict[str, float]:
         sending = self.arr.send_weights.remote()
         receiving = self.rollout_group.receive_weights.remote(version)
         sent, received = sending.get(), receiving.get()
-        self.weight_version = version
         metrics = M.reduce_worker_metrics(received)
         metrics.update(M.reduce_worker_metrics(sent))
         return metrics
+
+    def start_producer(self) -> None:
+        """fully_async: the producer thread, from the step after the current one, with the rollout's weights."""
+        from hybridflow.trainer.async_producer import AsyncProducer
+
+        a = self.cfg.async_training
+        self.producer = AsyncProducer(self.next_batch, self.sampler, self.agent_rollout,
+                                      first_step=self.global_step + 1, last_step=self.total_steps(),
+                                      version=self.weight_version, staleness=float(a.staleness_threshold),
+                                      partial_rollout=bool(a.partial_rollout),
+                                      batch_groups=self.cfg.data.train_batch_size)
+        self.producer.start()
+        self._rollout_tick_s = 0.0
+
+    def stop_producer(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+
+    def _take_produced(self) -> tuple[DataProto, dict[str, float]]:
+        """fully_async's gen: batch global_step from the producer, with the rollout pool's busy time since the
+        last step (its ticks ran while this thread trained)."""
+        batch, metrics = self.producer.take(self.global_step)
+        tick_s = self.agent_rollout.server.stats["tick_s"]
+        metrics["rollout/gen_s_per_replica"] = tick_s - self._rollout_tick_s
+        self._rollout_tick_s = tick_s
+        metrics.update(self.agent_rollout.server.metrics())
+        return batch, metrics
 
     def _launch_generation(self, step: int) -> None:
         """one_step_off_policy: draw step's prompts and start their generation on the rollout pool without waiting
@@ -289,6 +329,10 @@ class RayPPOTrainer:
             if self.global_step < self.total_steps():
                 self._launch_generation(self.global_step + 1)  # overlaps everything below, on the rollout pool
             batch = gen
+        elif self.producer is not None:
+            with timer("gen", timings):  # only the wait for what the producer has not finished yet
+                batch, gen_metrics = self._take_produced()
+            metrics.update(gen_metrics)
         else:
             batch = self.next_batch()
             batch.meta_info["global_step"] = self.global_step
@@ -346,7 +390,8 @@ class RayPPOTrainer:
                 metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
         sync_every = self.cfg.async_training.trigger_parameter_sync_step
         if self.rollout_group is not None and self.global_step % sync_every == 0:
-            with timer("weight_sync", timings):  # one_step: waits for the next batch's generation to finish first
+            # one_step: waits for the next batch's generation to finish first; fully_async: interrupts it
+            with timer("weight_sync", timings):
                 metrics.update(self.sync_rollout_weights())
         step_time = time.perf_counter() - t_step
         # forward-only stages report their padding share in meta_info (one key per stage, see the workers)
@@ -458,7 +503,13 @@ class RayPPOTrainer:
                 self.critic.save_checkpoint(str(staging / "critic"), {"global_step": self.global_step})
         # one_step_off_policy: the next step's prompts are drawn already; the checkpoint keeps the sampler from before
         # that draw, so a resume draws (and regenerates) them again: never skipped, never trained twice.
-        sampler_state = self._prefetched[2] if self._prefetched is not None else self.sampler.state_dict()
+        # fully_async: the same rule for every batch generated ahead (hybridflow/trainer/async_producer.py).
+        if self.producer is not None:
+            sampler_state = self.producer.sampler_state_before(self.global_step + 1)
+        elif self._prefetched is not None:
+            sampler_state = self._prefetched[2]
+        else:
+            sampler_state = self.sampler.state_dict()
         state = {"global_step": self.global_step, "sampler": sampler_state,
                  "kl_coef": float(self.kl_ctrl.value), "torch_rng": torch.get_rng_state().tolist(),
                  "last_val_step": self.last_val_step}
@@ -526,6 +577,8 @@ class RayPPOTrainer:
                 m = self.run_validation()
                 tracker.log(m, self.global_step, advance=False)  # not a training step: the bar stays
                 history.append({"step": self.global_step, **m})
+            if self.cfg.async_training.mode == "fully_async" and self.global_step < total:
+                self.start_producer()
             while self.global_step < total:
                 self.global_step += 1
                 with self.timeline.record(self.global_step):
@@ -540,6 +593,7 @@ class RayPPOTrainer:
                 if sf > 0 and (self.global_step % sf == 0 or self.global_step == total):
                     self.save()
         finally:
+            self.stop_producer()
             tracker.finish()
         return history
 
