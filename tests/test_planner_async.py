@@ -52,7 +52,20 @@ def test_step_time_sync_and_one_step():
     assert A.async_step_s(60, 100, 2, "one_step_off_policy") == 102  # training-bound
     assert A.async_step_s(120, 100, 2, "one_step_off_policy") == 122  # generation-bound
     with pytest.raises(ValueError, match="async_training.mode"):
-        A.async_step_s(1, 1, 0, "fully_async")
+        A.async_step_s(1, 1, 0, "two_step")
+
+
+def test_step_time_fully_async_by_staleness():
+    # eta 0: the synchronous step; eta >= 1: one_step's; between: (1 - eta) of generation after the sync, by hand
+    assert A.async_step_s(60, 100, 2, "fully_async", 0) == 162
+    assert A.async_step_s(60, 100, 2, "fully_async", 1) == A.async_step_s(60, 100, 2, "fully_async", 2) == 102
+    assert A.async_step_s(120, 100, 2, "fully_async", 1) == 122
+    assert A.async_step_s(60, 100, 2, "fully_async", 0.5) == pytest.approx(2 + 30 + 100)
+    assert A.async_step_s(300, 100, 2, "fully_async", 0.5) == pytest.approx(2 + 150 + 150)
+    with pytest.raises(ValueError, match="staleness_threshold"):
+        A.async_step_s(1, 1, 0, "fully_async", -1)
+    rollout, train = A.idle_fractions(60, 100, 2, "fully_async", 0.5)
+    assert rollout == pytest.approx(1 - 62 / 132) and train == pytest.approx(1 - 102 / 132)
 
 
 def test_idle_fractions():
@@ -101,9 +114,19 @@ def test_sync_every_and_pools_on_one_node():
     assert plan.job.total_gpus == 8
 
 
+def test_plan_of_fully_async_follows_its_staleness():
+    one = make_plan(RECIPE, [*SPLIT, "async_training.mode=one_step_off_policy"], Options())
+    fa = {eta: make_plan(RECIPE, [*SPLIT, "async_training.mode=fully_async", "actor_rollout_ref.rollout.mode=async",
+                                  f"async_training.staleness_threshold={eta}"], Options()) for eta in (0, 0.5, 2)}
+    gen, train, sync = one.async_parts
+    assert fa[2].step_s == pytest.approx(one.step_s)  # eta >= 1: one step's overlap
+    assert fa[0].step_s == pytest.approx(gen + train + sync)  # eta 0: the synchronous step
+    assert fa[0.5].step_s == pytest.approx(sync + 0.5 * gen + max(train, 0.5 * gen))
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["trainer.role_pools.ref=rollout"], "trainer.resource_pools: the planner models the presets"),
-    (["async_training.mode=fully_async"], "async_training.mode"),
+    (["async_training.mode=two_step"], "async_training.mode='two_step': the planner models"),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=4", "trainer.resource_pools.rollout=[6]"],
      "tensor_model_parallel_size=4 does not divide the rollout pool's 6 GPUs"),
 ])

@@ -31,7 +31,7 @@ class Plan:
         if self.job.rollout_pool:
             from launch.plan.async_step import async_step_s
 
-            return async_step_s(*self.async_parts, self.job.async_mode)
+            return async_step_s(*self.async_parts, self.job.async_mode, self.job.staleness)
         return sum(s.seconds for s in self.stages)
 
     @property
@@ -48,7 +48,7 @@ class Plan:
             return None
         from launch.plan.async_step import idle_fractions
 
-        return idle_fractions(*self.async_parts, self.job.async_mode)
+        return idle_fractions(*self.async_parts, self.job.async_mode, self.job.staleness)
 
     @property
     def tokens(self) -> float:

@@ -15,6 +15,13 @@ bytes; step_time.py feeds them the planner's stage times.
   `send(wait=False)` exists, but the step does not use it).
 - Idle fractions count the sync as busy on both pools (one sends, the other receives), as
   launch/benchmark/async_ablation.py's row_metrics does with weight_sync/send_s and recv_s.
+- fully_async with staleness eta (hybridflow/trainer/async_producer.py): after the sync that ends step k, the
+  rollout generates what admission held back of batch k+1, the (1 - eta) share (eta < 1), then the trainer trains
+  k+1 while the rollout generates up to eta of batch k+2: step = sync + (1 - eta) gen + max(train, eta gen). eta >= 1
+  never holds the rollout back in steady state: max(gen, train) + sync, one_step_off_policy's step. eta = 0 is sync.
+  The weight update pauses the rollout (interrupting what is in flight), so the sync is busy time on both pools.
+  ASSUMED: generation time proportional to the prompt groups generated (no long tail, which is where partial
+  rollouts and a larger eta pay beyond this model).
 Steady state: the first step of one_step_off_policy (nothing generated ahead yet) is a sync-mode step.
 """
 
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-MODES = ("sync", "one_step_off_policy")
+MODES = ("sync", "one_step_off_policy", "fully_async")
 
 
 def rollout_rank_recv_bytes(model_bytes: float, t_g: int) -> float:
@@ -56,19 +63,26 @@ def sync_per_step_s(sync_s: float, every: int) -> float:
     return sync_s / every
 
 
-def async_step_s(gen_s: float, train_s: float, sync_s: float, mode: str) -> float:
+def async_step_s(gen_s: float, train_s: float, sync_s: float, mode: str, staleness: float = 0.0) -> float:
     """One step on split pools: sync = gen + train + sync (no overlap); one_step_off_policy = max(gen, train) +
-    sync (generation of step k+1 overlaps training of step k; the sync waits for both)."""
+    sync (generation of step k+1 overlaps training of step k; the sync waits for both); fully_async: the share of
+    generation admission lets overlap training (`staleness`, see the module's docstring)."""
     if mode == "sync":
         return gen_s + train_s + sync_s
     if mode == "one_step_off_policy":
         return max(gen_s, train_s) + sync_s
+    if mode == "fully_async":
+        if staleness < 0:
+            raise ValueError(f"async_training.staleness_threshold={staleness} must be >= 0")
+        eta = min(staleness, 1.0)
+        return sync_s + (1 - eta) * gen_s + max(train_s, eta * gen_s)
     raise ValueError(f"async_training.mode={mode!r}; the planner models {', '.join(MODES)}")
 
 
-def idle_fractions(gen_s: float, train_s: float, sync_s: float, mode: str) -> tuple[float, float]:
+def idle_fractions(gen_s: float, train_s: float, sync_s: float, mode: str,
+                   staleness: float = 0.0) -> tuple[float, float]:
     """(rollout pool, training pool) idle shares of the step; the sync is busy time on both."""
-    step = async_step_s(gen_s, train_s, sync_s, mode)
+    step = async_step_s(gen_s, train_s, sync_s, mode, staleness)
     if step <= 0:
         return 0.0, 0.0
     return max(0.0, 1 - (gen_s + sync_s) / step), max(0.0, 1 - (train_s + sync_s) / step)

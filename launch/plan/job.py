@@ -97,6 +97,7 @@ class Job:
     pool_procs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     async_mode: str = "sync"
     sync_every: int = 1
+    staleness: float = 0.0  # async_training.staleness_threshold (fully_async)
 
     @property
     def world(self) -> int:
@@ -321,7 +322,8 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
                options=options, old_log_prob_pass=not skips_old_log_prob(cfg), algorithm=cfg.algorithm.adv_estimator,
                lengths=lengths, prompt_mean=prompt_mean, rollout_pool=rollout_pool,
                pool_procs=dict(place.pools) if rollout_pool else {}, async_mode=cfg.async_training.mode,
-               sync_every=cfg.async_training.trigger_parameter_sync_step)
+               sync_every=cfg.async_training.trigger_parameter_sync_step,
+               staleness=cfg.async_training.staleness_threshold)
 
 
 PRESETS_ONLY = ("trainer.resource_pools: the planner models the presets (trainer.placement=colocate | split | "
