@@ -204,6 +204,12 @@ def test_async_ablation_row_metrics_by_hand():
     colocated = row_metrics(rows, colocated=True)
     assert colocated["rollout_idle_frac"] == pytest.approx(1 - 0.4 / 2.0)
     assert colocated["train_idle_frac"] == pytest.approx(0.4 / 2.0)
+    # fully_async: the per-token staleness the producer reports wins over step - version; interruptions are summed
+    for r, stale, cut, again in zip(rows, (0.5, 1.5), (3.0, 1.0), (2.0, 0.0), strict=True):
+        r.update({"rollout/staleness_mean": stale, "weight_sync/interrupted_requests": cut,
+                  "rollout/interrupted_dropped": again})
+    fa = row_metrics(rows, colocated=False)
+    assert fa["staleness_mean"] == 1.0 and fa["interrupted_requests"] == 4.0 and fa["dropped_trajectories"] == 2.0
 
 
 def test_an_ablation_ends_with_its_json_line_also_written_to_out(tmp_path, capsys):

@@ -24,8 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ablation", choices=["long_tail", "agent_tools", "async"], default=None,
                     help="long_tail: the before/after rows on the long-tailed workload (launch/benchmark/long_tail.py);"
                          " agent_tools: 64 agent trajectories with a 50 ms tool, concurrent vs sequential "
-                         "(launch/benchmark/agent_tools.py); async: colocated vs split pools, sync vs one step off "
-                         "policy (launch/benchmark/async_ablation.py); no CONFIG")
+                         "(launch/benchmark/agent_tools.py); async: colocated vs split pools, sync, one step off "
+                         "policy and fully async (launch/benchmark/async_ablation.py); no CONFIG")
     args = ap.parse_args(argv)
     if args.ablation and args.config:
         ap.error("--ablation runs its own config (configs/ppo_tiny_cpu.yaml or configs/grpo_agent_tiny_cpu.yaml + the "
