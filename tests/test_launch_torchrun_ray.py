@@ -161,6 +161,13 @@ def test_rank_rows_from_a_failure_report():
     assert rows[3].first and rows[3].error[-1] == "ValueError: bad shard"
     table = format_table(rows)
     assert "(first failure) ValueError: bad shard" in table and "--- rank 3 (node 1" in table
+    # the failing rank aborts its teardown (SIGABRT) instead of exiting 1: its SIGTERMed sibling is still stopped,
+    # while a rank dying of a signal nobody sent it on its own (SIGKILL by the OOM killer) is a failure
+    aborted = {2: -15, 3: -6}
+    outcomes[1] = NodeOutcome(node=1, host="node-b", exit_code=1, failures=aborted, root_cause=3)
+    assert [r.status for r in rank_rows(rank_table(2, 2), outcomes, first_node=1)][2:] == ["stopped", "failed"]
+    outcomes[1] = NodeOutcome(node=1, host="node-b", exit_code=1, failures={2: -9, 3: -15}, root_cause=2)
+    assert [r.status for r in rank_rows(rank_table(2, 2), outcomes, first_node=1)][2:] == ["failed", "stopped"]
     ok = rank_rows(rank_table(1, 2), {0: NodeOutcome(node=0, host="h", exit_code=0)})
     assert [r.status for r in ok] == ["ok", "ok"]
 

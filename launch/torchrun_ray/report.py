@@ -80,10 +80,16 @@ def rank_rows(slots: list[RankSlot], outcomes: dict[int, NodeOutcome], first_nod
     return rows
 
 
+_SIGTERM = -15  # what torchrun sends the surviving workers of its node once one fails
+
+
 def _root_failed_elsewhere(slot: RankSlot, failures: dict[int, int]) -> bool:
-    """A worker torchrun itself SIGTERMed because a sibling failed shows a negative code: call it stopped
-    when some other rank of its node failed with a real (non-negative, non-zero) code."""
-    return any(code > 0 for rank, code in failures.items() if rank != slot.rank)
+    """A worker torchrun itself SIGTERMed because a sibling failed shows -15: call it stopped when some other
+    rank of its node failed of something else: an exit code, or a signal of its own (a rank whose gloo threads
+    abort the interpreter's teardown after an exception dies of SIGABRT, -6, not of a clean exit 1)."""
+    if failures.get(slot.rank) != _SIGTERM:
+        return False
+    return any(code not in (0, _SIGTERM) for rank, code in failures.items() if rank != slot.rank)
 
 
 def failed_ranks(rows: list[RankRow]) -> list[RankRow]:
