@@ -176,19 +176,50 @@ def test_token_install_never_overwrites(tmp_path):
 # ---- head + worker + status + stop, directly ---------------------------------------------------------------
 
 
+def test_worker_timeout_reports_the_local_heads_gcs(tmp_path):
+    # A head this tool started here whose `ray start` has gone: a worker that cannot register says so, with the
+    # tail of the head's gcs_server log (once seen in CI: a worker waited 180 s on a GCS that no longer answered).
+    logs = tmp_path / "head_tmp" / "session_latest" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "gcs_server.err").write_text("line\n" * 20 + "F gcs_server.cc: check failed: something\n")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    rec = dict(role="head", name="head-x", pid=gone.pid, pgid=gone.pid, create_time=0.0, node_ip=HEAD_IP,
+               address=f"{HEAD_IP}:1234", temp_dir=str(tmp_path / "head_tmp"))
+    sdir = node.state_dir(tmp_path / "state")
+    sdir.mkdir(parents=True)
+    (sdir / "head-x.json").write_text(json.dumps(rec))
+    text = node._local_head_report(sdir, f"{HEAD_IP}:1234")
+    assert f"the head at {HEAD_IP}:1234 was started here (pid {gone.pid}): its `ray start` is not running" in text
+    assert text.rstrip().endswith("F gcs_server.cc: check failed: something") and "gcs_server.err (tail)" in text
+    assert node._local_head_report(sdir, f"{HEAD_IP}:9999") == ""  # someone else's head: nothing to add
+
+
+def _start_direct(env) -> tuple[int, str]:
+    port = free_port()
+    head = _ok(_cli(env, "head", "--node-ip-address", HEAD_IP, "--port", str(port), "--no-dashboard",
+                    "--num-cpus", "1", f"--ray-args={_ray_args()}"))
+    _ok(_cli(env, "worker", "--address", f"{HEAD_IP}:{port}", "--node-ip-address", WORKER_IP, "--num-cpus", "2",
+             f"--ray-args={_ray_args()}"))
+    return port, head
+
+
 @pytest.fixture(scope="module")
 def direct(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("direct")
-    env, port = _env(tmp), free_port()
+    env = _env(tmp)
     t0 = time.monotonic()
     try:
-        head = _ok(_cli(env, "head", "--node-ip-address", HEAD_IP, "--port", str(port), "--no-dashboard",
-                        "--num-cpus", "1", f"--ray-args={_ray_args()}"))
-        t_head = time.monotonic() - t0
-        _ok(_cli(env, "worker", "--address", f"{HEAD_IP}:{port}", "--node-ip-address", WORKER_IP, "--num-cpus", "2",
-                 f"--ray-args={_ray_args()}"))
-        t_worker = time.monotonic() - t0 - t_head
-        print(f"direct: head {t_head:.1f} s, worker {t_worker:.1f} s")
+        try:
+            port, head = _start_direct(env)
+        except AssertionError as first:
+            # Once in a full CI suite the worker could not reach a head that had just started (its GCS stopped
+            # answering); the worker's error now says what became of that GCS. Print it and start afresh once:
+            # a second failure fails every test of this fixture.
+            print(f"direct: first start failed, retrying on a new port:\n{first}")
+            _emergency_stop(env)
+            port, head = _start_direct(env)
+        print(f"direct: head and worker up in {time.monotonic() - t0:.1f} s")
         yield dict(env=env, port=port, tmp=tmp, head_stdout=head, pids=_node_pids(tmp / "state"))
     finally:
         _emergency_stop(env)

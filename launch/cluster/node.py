@@ -209,11 +209,37 @@ def start_node(spec: NodeSpec, state: str | os.PathLike | None = None, timeout_s
     rec["_file"] = str(_record_path(sdir, spec.name))
     try:
         _wait_ready(proc, log_path, spec, timeout_s)
+    except TimeoutError as e:
+        stop_record(rec)
+        if spec.role == "worker":  # what the head of this host says, when this tool started it here
+            raise TimeoutError(f"{e}{_local_head_report(sdir, spec.head_address)}") from None
+        raise
     except BaseException:
         stop_record(rec)
         raise
     rec["_proc"] = proc
     return rec
+
+
+def _local_head_report(sdir: Path, head_address: str) -> str:
+    """A worker that cannot register mostly means the head's GCS is gone or stuck: when this state dir holds
+    that head, say whether its gcs_server still runs and show the tail of its log ('' for a remote head)."""
+    heads = [r for r in read_records(sdir) if r.get("role") == "head" and r.get("address") == head_address]
+    if not heads:
+        return ""
+    head = heads[0]
+    names = []
+    for p in node_processes(head) if _leader_alive(head) else []:
+        try:
+            names.append(p.name())
+        except Exception:  # gone since listed
+            continue
+    state = ("its gcs_server is running" if any("gcs_server" in n for n in names) else
+             "its gcs_server is NOT running" if names else "its `ray start` is not running")
+    logs = sorted(Path(head["temp_dir"]).glob("session_latest/logs/gcs_server.*"))
+    tail = "".join(f"\n--- {f} (tail) ---\n" + "\n".join(f.read_text(errors="replace").splitlines()[-15:])
+                   for f in logs if f.stat().st_size)
+    return f"\nthe head at {head_address} was started here (pid {head['pid']}): {state}{tail}"
 
 
 def _wait_ready(proc: subprocess.Popen, log_path: Path, spec: NodeSpec, timeout_s: float) -> None:
