@@ -75,3 +75,27 @@ def cpu_peak_flops(hf_config: dict | None, tp: int, micro_batch: int, seq_len: i
     threads = threads_per_device(n_devices_per_node)
     flops = measure_gemm_flops(shape, dtype, threads)
     return flops, f"measured {dtype} matmul {shape}, {threads} thread{'s' * (threads > 1)} (this CPU, at start)"
+
+
+def device_peak_flops(cfg) -> tuple[float, str]:
+    """perf/mfu/*'s peak per device: the config's, a GPU's from the table, or this CPU's measured now
+    (cpu_peak_flops: the actor's own GEMM in its dtype, on one worker's share of the cores)."""
+    if cfg.trainer.device_peak_flops:
+        return float(cfg.trainer.device_peak_flops), "config"
+    import torch
+
+    from hybridflow.trainer import metrics as M
+
+    if torch.cuda.is_available():  # which peak was used is logged at start
+        return M.known_peak_flops(torch.cuda.get_device_name()) or (989e12, "unknown GPU, H100 dense bf16 assumed")
+    from hybridflow.precision import resolve
+    from megatron_workers.hf_io import CheckpointError, read_hf_config
+
+    a, d = cfg.actor_rollout_ref, cfg.data
+    try:
+        hf_config = read_hf_config(a.model.path)
+    except CheckpointError:  # preflight has checked a real job's path; this is a driver over stand-in workers
+        hf_config = None
+    return cpu_peak_flops(hf_config, a.actor.megatron.tensor_model_parallel_size,
+                          a.actor.ppo_micro_batch_size_per_gpu or 1, d.max_prompt_length + d.max_response_length,
+                          resolve(a.model.dtype, "cpu"), cfg.trainer.n_gpus_per_node)

@@ -36,6 +36,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer import metrics as M
 from hybridflow.trainer import validation as V
 from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.peak_flops import device_peak_flops
 from hybridflow.trainer.rollout_dump import rollout_records
 from hybridflow.trainer.tracking import Tracking, prepare_jsonl, read_jsonl
 
@@ -59,27 +60,6 @@ def stage(name: str):
             e.stage = name
             e.add_note(f"(stage {name})")
         raise
-
-
-def device_peak_flops(cfg: HybridFlowConfig) -> tuple[float, str]:
-    """perf/mfu/*'s peak per device: the config's, a GPU's from the table, or this CPU's measured now
-    (hybridflow/trainer/peak_flops.py: the actor's own GEMM in its dtype, on one worker's share of the cores)."""
-    if cfg.trainer.device_peak_flops:
-        return float(cfg.trainer.device_peak_flops), "config"
-    if torch.cuda.is_available():  # which peak was used is logged at start
-        return M.known_peak_flops(torch.cuda.get_device_name()) or (989e12, "unknown GPU, H100 dense bf16 assumed")
-    from hybridflow.precision import resolve
-    from hybridflow.trainer.peak_flops import cpu_peak_flops
-    from megatron_workers.hf_io import CheckpointError, read_hf_config
-
-    a, d = cfg.actor_rollout_ref, cfg.data
-    try:
-        hf_config = read_hf_config(a.model.path)
-    except CheckpointError:  # preflight has checked a real job's path; this is a driver over stand-in workers
-        hf_config = None
-    return cpu_peak_flops(hf_config, a.actor.megatron.tensor_model_parallel_size,
-                          a.actor.ppo_micro_batch_size_per_gpu or 1, d.max_prompt_length + d.max_response_length,
-                          resolve(a.model.dtype, "cpu"), cfg.trainer.n_gpus_per_node)
 
 
 def dp_balance_parts(cfg: HybridFlowConfig) -> tuple[int, int]:
