@@ -209,13 +209,10 @@ def start_node(spec: NodeSpec, state: str | os.PathLike | None = None, timeout_s
     rec["_file"] = str(_record_path(sdir, spec.name))
     try:
         _wait_ready(proc, log_path, spec, timeout_s)
-    except TimeoutError as e:
+    except BaseException as e:
         stop_record(rec)
-        if spec.role == "worker":  # what the head of this host says, when this tool started it here
+        if isinstance(e, TimeoutError) and spec.role == "worker":  # and what became of the head, if started here
             raise TimeoutError(f"{e}{_local_head_report(sdir, spec.head_address)}") from None
-        raise
-    except BaseException:
-        stop_record(rec)
         raise
     rec["_proc"] = proc
     return rec
