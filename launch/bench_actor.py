@@ -16,20 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from hybridflow.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_flops_per_token(cfg: dict, seq_len: int) -> float:
@@ -140,7 +135,7 @@ def driver(args) -> None:
                 nproc = tp * pp * args.dp
                 out = Path(tmp) / f"{preset}_{tp}x{pp}.json"
                 cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                       "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, "--worker",
+                       "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, "--worker",
                        "--name", preset, "--model", str(model), "--tp", str(tp), "--pp", str(pp), "--out", str(out),
                        "--batch", str(args.batch), "--micro-batch", str(args.micro_batch),
                        "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len),

@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridflow.ports import free_port  # noqa: E402
 
 HF_CONFIG = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 512,
@@ -202,9 +203,7 @@ def main() -> int:
     bad = [lay for lay in layouts if lay[0] * lay[1] * lay[2] != args.world]
     if bad:
         ap.error(f"layouts {bad}: t*p*d must equal --world {args.world}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(worker, args=(args.world, port, layouts, args.synthetic, int(args.bucket_mb * 2**20)),
              nprocs=args.world, join=True)
     return 0

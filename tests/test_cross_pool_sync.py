@@ -8,53 +8,64 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from hybridflow.ports import free_port, free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests/reshard_scripts"
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+def run_all(cmds: list[list[str]], timeout: float, grace: float = 15) -> list[tuple[int, str]]:
+    """Start every process at once (the pools rendezvous with each other); (returncode, output) of each.
 
-
-def run_all(cmds: list[list[str]], timeout: float) -> list[tuple[int, str]]:
-    """Start every process at once (the pools rendezvous with each other); (returncode, output) of each."""
+    A process that fails leaves its peers waiting on it: they get `grace` seconds to fail on their own (their
+    errors name what they waited for), then are killed, so a failure costs seconds rather than the whole timeout
+    and every process's output is returned (the first to fail is usually the one that tells why)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
-    deadline, results = time.monotonic() + timeout, []
+    logs = [tempfile.TemporaryFile("w+") for _ in cmds]  # files, not pipes: nothing blocks on a full pipe
+    procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+             for c, f in zip(cmds, logs)]
+    deadline, failed_at = time.monotonic() + timeout, None
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((p.returncode, out))
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace:
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.communicate()
+                p.wait()
+    results = []
+    for p, f in zip(procs, logs):
+        f.seek(0)
+        results.append((p.returncode, f.read()))
+        f.close()
     return results
 
 
+def failures(cmds: list[list[str]], results: list[tuple[int, str]]) -> str:
+    """Each failed process: its role and rank, return code (-9: killed after a peer failed or at the timeout) and
+    output tail."""
+    return "\n\n".join(f"{' '.join(c[2:4])} rc={rc}:\n{out[-3000:]}"
+                        for c, (rc, out) in zip(cmds, results) if rc != 0)
+
+
 def transport(mode: str, tmp_path: Path, T: int, P: int, t_g: int, R: int, timeout: float = 180) -> dict[int, dict]:
-    port = free_ports(1)[0]
+    port = free_port()
     cmds = [[sys.executable, str(SCRIPTS / "cross_pool_transport.py"), mode, str(s), str(port), str(tmp_path),
              str(T), str(P), str(t_g), str(R)] for s in range(T + R)]
     results = run_all(cmds, timeout)
-    assert all(rc == 0 for rc, _ in results), [out[-3000:] for rc, out in results if rc]
+    assert all(rc == 0 for rc, _ in results), failures(cmds, results)
     return {s: json.loads((tmp_path / f"{s}.json").read_text()) for s in range(T + R)}
 
 
@@ -107,7 +118,7 @@ def test_rollout_pool_matches_trainer_after_every_sync(tmp_path, layout):
             + [[sys.executable, script, "rollout", str(r), *common] for r in range(R)])
     start = time.monotonic()
     results = run_all(cmds, timeout=600)
-    assert all(rc == 0 for rc, _ in results), [out[-4000:] for rc, out in results if rc]
+    assert all(rc == 0 for rc, _ in results), failures(cmds, results)
     wall = time.monotonic() - start
     train = [json.loads((tmp_path / f"train{i}.json").read_text()) for i in range(T)]
     roll = [json.loads((tmp_path / f"rollout{r}.json").read_text()) for r in range(R)]

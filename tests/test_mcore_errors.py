@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent / "mcore_scripts"))
 from mcore_cases import save_llama_vocab300  # noqa: E402
 
 from hybridflow.parallel.dims import LayoutError, ParallelDims  # noqa: E402
+from hybridflow.ports import free_port  # noqa: E402
 from megatron_workers import hf_io, hf_mapping, model_builder, parallel_init  # noqa: E402
 from megatron_workers.model_builder import UnsupportedModelError  # noqa: E402
 
@@ -66,11 +67,7 @@ def test_world_size_mismatch_and_missing_env(monkeypatch):
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match=r"\['RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'\]"):
             parallel_init.init_distributed(timeout_s=10)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

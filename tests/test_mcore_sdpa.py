@@ -10,27 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from hybridflow.ports import free_port
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def cases() -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(TESTS / "mcore_scripts" / "sdpa_check.py"), str(_free_port())],
+    proc = subprocess.run([sys.executable, str(TESTS / "mcore_scripts" / "sdpa_check.py"), str(free_port())],
                           capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -9,12 +9,13 @@ it does not).
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from hybridflow.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "reshard_scripts"
@@ -81,9 +82,7 @@ def test_engine_bytes_beat_the_naive_all_gather(engine_results):
 
 @pytest.mark.slow
 def test_vllm_builds_the_planned_groups():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
            "--master-port", str(port), str(SCRIPTS / "check_vllm_groups.py")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,

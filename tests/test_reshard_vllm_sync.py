@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from hybridflow.parallel.dims import GenerationDims, ParallelDims
+from hybridflow.ports import free_port
 from hybridflow.resharding.planner import ParamSpec, plan_resharding
 from hybridflow.resharding.vllm_layout import VllmShardConverter
 
@@ -119,9 +119,7 @@ def test_full_shaped_buffers_commit_only_the_written_region():
 
 def _sync_on_two_ranks(script: str, w0, w1, layout) -> list[dict]:
     """tests/reshard_scripts/<script> on 2 torchrun ranks (vLLM built on w0, synced to w1); its JSON lines."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(port), str(ROOT / "tests/reshard_scripts" / script), str(w0), str(w1),
            *map(str, layout)]

@@ -6,7 +6,6 @@ Both ranks must end with identical outputs, equal to HF transformers greedy deco
 """
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,16 +17,11 @@ from rollout_scripts.reference import hf_greedy, make_prompts
 pytest.importorskip("vllm")
 
 from hybridflow.models.tiny import build_tokenizer, save_tiny_model  # noqa: E402
+from hybridflow.ports import free_port  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "rollout_scripts"
 REPO = Path(__file__).resolve().parents[1]
 R = 16  # the script's response length
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -9,9 +9,9 @@ rollout...) sharing the process, its devices and its process group.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
+from hybridflow import ports
 from hybridflow.controller.dispatch import MeshCoords
 
 
@@ -71,9 +71,8 @@ def node_ip() -> str:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A free port on every interface of this node (other nodes reach the rendezvous): hybridflow/ports.py."""
+    return ports.free_port("")
 
 
 class WorkerHost:

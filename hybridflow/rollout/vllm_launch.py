@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from hybridflow.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +31,6 @@ class LaunchInfo:
     local_rank: int
     local_world_size: int
     created_env: tuple[str, ...]  # env keys we set (so a caller can see what was defaulted)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare_distributed_env() -> LaunchInfo:
@@ -77,7 +72,7 @@ def prepare_distributed_env() -> LaunchInfo:
         default("WORLD_SIZE", 1)
         default("LOCAL_RANK", 0)
         default("MASTER_ADDR", "127.0.0.1")
-        default("MASTER_PORT", _free_port())
+        default("MASTER_PORT", free_port())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     # external_launcher requires the in-process engine core; setting it here also covers

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from hybridflow.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PARITY_WORKER = Path(__file__).resolve().parent / "parity_worker.py"
@@ -124,19 +125,13 @@ def hf_grad_norm(model_dir, input_ids, attention_mask) -> tuple[float, float]:
     return norm.item(), loss.item()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_parity_worker(nproc: int, out: Path, *args: str, timeout: int = 120) -> dict:
     """parity_worker.py under torchrun on `nproc` local processes; its JSON result (pytest.fail with the
     workers' output tail if it fails)."""
     import pytest
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(PARITY_WORKER), "--out", str(out), *args]
+           f"--master-port={free_port()}", str(PARITY_WORKER), "--out", str(out), *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from hybridflow.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent
@@ -71,12 +72,6 @@ def actor_config(model_dir, tp: int = 1, pp: int = 1, sp: bool = False, lr: floa
         "ref": {"megatron": megatron, "log_prob_micro_batch_size_per_gpu": 4},
         "rollout": {"n": 1, "log_prob_micro_batch_size_per_gpu": 4},
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 150) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import traceback
 import zlib
@@ -23,6 +22,8 @@ import zlib
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from hybridflow.ports import free_port
 
 H, NH, NG, HD, F, V, LAYERS = 8, 4, 4, 2, 16, 200, 4
 VLLM_VOCAB_PAD = 64
@@ -189,9 +190,7 @@ def main() -> int:
     args = parser.parse_args()
     cases = [tuple(int(x) for x in c.split(",")) for c in args.cases] if args.cases else DEFAULT_CASES
     cases = [c for c in cases if args.world % (c[0] * c[1]) == 0 and args.world % c[2] == 0]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(worker, args=(args.world, port, cases, out_dir), nprocs=args.world, join=True)
         for r in range(args.world):
