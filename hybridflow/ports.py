@@ -35,9 +35,7 @@ def _candidates(lo: int) -> list[int]:
     start = max(_LOWEST, lo - _BELOW)
     if lo - start < 1000:
         return []
-    ports = list(range(start, lo))
-    _rng.shuffle(ports)
-    return ports[:200]
+    return _rng.sample(range(start, lo), 200)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:

@@ -27,7 +27,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,12 +46,6 @@ DRY_RUN = dict(preset="tiny4l", model={}, dtype="fp32", batch=4, micro_batch=2, 
 RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 TINY_RESHARD = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def has_recompute_keys() -> bool:
@@ -81,10 +74,11 @@ def environment() -> dict:
 
 def torchrun(nproc: int, script: list[str], timeout: float, dry_run: bool) -> tuple[dict | list | None, str]:
     """One torchrun job whose rank 0 writes JSON to the path after --out; (that JSON or None, the output tail)."""
+    from hybridflow.ports import free_port  # stdlib only: the GPU machine has no Ray or vLLM
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", *script, "--out", out]
+           f"--master-port={free_port()}", *script, "--out", out]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     if dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU even where a GPU is present
