@@ -27,17 +27,19 @@ $(STAMP): setup.py
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# Two phases (docs/index.md, "The tests"): the tests that may share the machine, two at a time (pytest-xdist, a file
-# per worker so module fixtures are built once), then the serial group (Ray, timing, signals: tests/conftest.py)
-# one at a time. The serial phase runs even when the first failed, so one run reports everything; make test fails
-# if either failed. Exit 5 (nothing selected, e.g. PYTEST_ARGS naming only serial tests) counts as a pass unless
-# both phases selected nothing.
+# Three phases (docs/index.md, "The tests"; tests/conftest.py, phase_of): the tests that may share the machine, two
+# at a time (pytest-xdist, a file per worker so module fixtures are built once); the trainer runs, each with a Ray of
+# its own, two at a time; then the serial group (the run-wide Ray, timing, signals) one at a time. Every phase runs
+# even when an earlier one failed, so one run reports everything; make test fails if any failed. Exit 5 (nothing
+# selected, e.g. PYTEST_ARGS naming only serial tests) counts as a pass unless every phase selected nothing.
 test: lint
-	@p=0; s=0; \
+	@p=0; r=0; s=0; \
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile --phase parallel $(PYTEST_ARGS) || p=$$?; \
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile --phase pairs $(PYTEST_ARGS) || r=$$?; \
 	$(PY) -m pytest -q --durations=15 --phase serial $(PYTEST_ARGS) || s=$$?; \
-	echo "make test: parallel phase exit $$p, serial phase exit $$s"; \
-	{ [ $$p = 0 ] || [ $$p = 5 ]; } && { [ $$s = 0 ] || [ $$s = 5 ]; } && [ $$p$$s != 55 ]
+	echo "make test: parallel phase exit $$p, pairs phase exit $$r, serial phase exit $$s"; \
+	{ [ $$p = 0 ] || [ $$p = 5 ]; } && { [ $$r = 0 ] || [ $$r = 5 ]; } && { [ $$s = 0 ] || [ $$s = 5 ]; } \
+		&& [ $$p$$r$$s != 555 ]
 
 demo: $(STAMP)
 	$(PY) -m hybridflow.trainer.warmstart --out runs/demo_assets

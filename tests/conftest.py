@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,47 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# The longest a pairs-phase worker waits for the other to build a shared run (the trainer's own limit is 600 s).
+SHARED_WAIT_S = 1200
+
+
+def built_once(tmp_path_factory, name: str, build):
+    """A session fixture's value, built once per pytest run even when two xdist workers both want it (the pairs
+    phase): the first builds it under a lock in the run's common temp dir and leaves it as JSON; the other waits on
+    the lock (up to SHARED_WAIT_S) and reads it, or re-raises the builder's error. Without xdist: just build.
+
+    Why not once per worker: the waiting worker gives the builder both cores, so a shared run costs what it costs in
+    one process; and e2e comparisons at 1e-6 need every run made from the same warm-start files."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build(tmp_path_factory.mktemp(name))
+    common = tmp_path_factory.getbasetemp().parent  # pytest-N/, the parent of each worker's popen-gwN/
+    done, failed = common / f"{name}.json", common / f"{name}.failed"
+    with open(common / f"{name}.lock", "w") as lock:
+        deadline = time.monotonic() + SHARED_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {SHARED_WAIT_S} s for the other worker to build {name}") from None
+                time.sleep(0.5)
+        try:
+            if failed.is_file():
+                raise RuntimeError(f"the other worker failed to build {name}:\n{failed.read_text()}")
+            if done.is_file():
+                return json.loads(done.read_text())
+            try:
+                value = build(common / name)
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}"[-4000:])
+                raise
+            done.write_text(json.dumps(value))
+            return value
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +92,8 @@ def warm_assets(tmp_path_factory):
     greedy answers are partly right (val mean ~0.49), so generations and scores vary."""
     from hybridflow.trainer.warmstart import prepare
 
-    return prepare(tmp_path_factory.mktemp("warm_assets"), sft_steps=80, train_size=256, test_size=16)
+    return built_once(tmp_path_factory, "warm_assets",
+                      lambda out: prepare(out, sft_steps=80, train_size=256, test_size=16))
 
 
 # The plain 2-step colocated PPO job on warm_assets (8 prompts, one mini-batch, no validation, no saves). In fp32:
@@ -67,9 +112,13 @@ def plain_run(warm_assets, tmp_path_factory):
         sys.path.insert(0, str(TESTS))
     from test_e2e_trainer import _cmd, _run
 
-    root = tmp_path_factory.mktemp("plain")
-    _run(_cmd("ppo_tiny_cpu.yaml", root / "run", f"actor_rollout_ref.model.path={warm_assets['model']}",
-              f"data.train_files=[{warm_assets['train']}]", *PLAIN_JOB), root / "log")
+    def build(root: Path) -> str:
+        root.mkdir(parents=True, exist_ok=True)
+        _run(_cmd("ppo_tiny_cpu.yaml", root / "run", f"actor_rollout_ref.model.path={warm_assets['model']}",
+                  f"data.train_files=[{warm_assets['train']}]", *PLAIN_JOB), root / "log")
+        return str(root)
+
+    root = Path(built_once(tmp_path_factory, "plain", build))
     return root / "run", root / "log"
 
 
@@ -91,72 +140,91 @@ def server_run(warm_assets, tmp_path_factory):
         sys.path.insert(0, str(TESTS))
     from test_e2e_trainer import _cmd, _run
 
-    root = tmp_path_factory.mktemp("server_mode")
-    _run(_cmd("ppo_tiny_cpu.yaml", root / "run", f"actor_rollout_ref.model.path={warm_assets['model']}",
-              f"data.train_files=[{warm_assets['train']}]", *SERVER_JOB,
-              f"data.val_files=[{warm_assets['test']}]", "trainer.val_before_train=true",
-              f"trainer.validation_data_dir={root / 'val_dump'}", f"trainer.rollout_data_dir={root / 'samples'}"),
-         root / "log")
-    return root
+    def build(root: Path) -> str:
+        root.mkdir(parents=True, exist_ok=True)
+        _run(_cmd("ppo_tiny_cpu.yaml", root / "run", f"actor_rollout_ref.model.path={warm_assets['model']}",
+                  f"data.train_files=[{warm_assets['train']}]", *SERVER_JOB,
+                  f"data.val_files=[{warm_assets['test']}]", "trainer.val_before_train=true",
+                  f"trainer.validation_data_dir={root / 'val_dump'}", f"trainer.rollout_data_dir={root / 'samples'}"),
+             root / "log")
+        return str(root)
+
+    return Path(built_once(tmp_path_factory, "server_mode", build))
 
 
-# ---- the serial group -------------------------------------------------------------------------------------------
-# `make test` runs the suite in two phases (docs/index.md, "The tests"): the tests that can share the machine two at
-# a time under pytest-xdist (`-n 2 --phase parallel`), then the serial group one at a time (`--phase serial`).
-# A test is serial when it cannot share a 2-core machine with another test:
-#  - Ray: it uses the run-wide Ray cluster or a whole trainer run (each starts its own local Ray), or a simulated
-#    multi-node cluster (the fixtures below, the `cluster` mark, the test_e2e_* modules);
-#  - timing and signals: launchers (test_launch_*), fault injection (`fault`: kills, deadlines, detection times);
-#  - anything else marked `serial` by hand: a timing bound that a second test on the cores could break, or Ray
-#    started outside these fixtures (a module fixture running the trainer, Ray Tune).
-# Everything else runs in the parallel phase: units, single-process model tests, and torchrun/vLLM process groups,
-# whose rendezvous ports are probed (tests/mcore_scripts/train_common.py retries a port taken in between) and whose
-# vLLM shm segments are named per job (hybridflow/rollout/vllm_launch.py: cpu_shm_communicator).
-SERIAL_FIXTURES = {"ray_cluster", "observed_run", "plain_run", "warm_assets", "cluster"}
-SERIAL_MARKS = ("serial", "cluster", "fault")
-SERIAL_MODULES = ("test_e2e_", "test_launch_")
+# ---- the three phases -------------------------------------------------------------------------------------------
+# `make test` runs the suite in three phases (docs/index.md, "The tests"), by what a test can share a 2-core machine
+# with (phase_of):
+#  - parallel (`-n 2 --phase parallel`): units, single-process model tests, torchrun/vLLM process groups, whose
+#    rendezvous ports come from hybridflow/ports.py and whose vLLM shm segments are named per job;
+#  - pairs (`-n 2 --phase pairs`): whole trainer runs, each in a subprocess with a local Ray of its own (the test_e2e_*
+#    modules, the shared warm_assets / plain_run / server_run, or marked `own_ray` by hand: a sweep, an export of a
+#    trained run). Ray 2.60 starts a local cluster on ports of its own choosing under its own temp dir, so two runs
+#    coexist; the shared runs are built once for both workers (built_once);
+#  - serial (`--phase serial`): one at a time, what a second test could break: the run-wide Ray cluster and the
+#    observed run (ray_cluster, observed_run), a simulated multi-node cluster (`cluster`), launchers (test_launch_*:
+#    signals, `ray start`), fault injection (`fault`: kills, deadlines, detection times), and anything marked
+#    `serial` by hand (a timing bound).
+ALONE_FIXTURES = {"ray_cluster", "observed_run", "cluster"}
+ALONE_MARKS = ("serial", "cluster", "fault")
+ALONE_MODULES = ("test_launch_",)
+RUN_FIXTURES = {"warm_assets", "plain_run", "server_run"}
+RUN_MARKS = ("own_ray",)
+RUN_MODULES = ("test_e2e_",)
+PHASES = ("parallel", "pairs", "serial")
+PHASE_MARK = {"pairs": "own_ray", "serial": "serial"}
 
 
-def serial_reason(item) -> str | None:
-    """Why this collected test belongs to the serial group, or None (it may run beside another test)."""
-    fixtures = sorted(SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())))
-    if fixtures:
-        return f"fixture {fixtures[0]}"
-    marks = [m for m in SERIAL_MARKS if item.get_closest_marker(m) is not None]
-    if marks:
-        return f"mark {marks[0]}"
+def _reason(item, fixtures, marks, modules) -> str | None:
+    found = sorted(fixtures & set(getattr(item, "fixturenames", ())))
+    if found:
+        return f"fixture {found[0]}"
+    found = [m for m in marks if item.get_closest_marker(m) is not None]
+    if found:
+        return f"mark {found[0]}"
     module = getattr(getattr(item, "module", None), "__name__", "")
-    return f"module {module}" if module.startswith(SERIAL_MODULES) else None
+    return f"module {module}" if module.startswith(modules) else None
+
+
+def phase_of(item) -> tuple[str, str | None]:
+    """The phase this collected test runs in, and why (None for the parallel phase). Being alone wins."""
+    reason = _reason(item, ALONE_FIXTURES, ALONE_MARKS, ALONE_MODULES)
+    if reason:
+        return "serial", reason
+    reason = _reason(item, RUN_FIXTURES, RUN_MARKS, RUN_MODULES)
+    return ("pairs", reason) if reason else ("parallel", None)
 
 
 def pytest_addoption(parser):
-    parser.addoption("--phase", choices=("parallel", "serial"), default=None,
-                     help="run only the tests that may share the machine (parallel: for -n 2) or only the serial "
-                          "group (serial); both by default. See tests/conftest.py, 'the serial group'.")
+    parser.addoption("--phase", choices=PHASES, default=None,
+                     help="run only one phase: the tests that may share the machine (parallel) or a trainer run "
+                          "(pairs), both for -n 2, or the serial group; all by default. See tests/conftest.py.")
 
 
 def pytest_configure(config):
-    # -n without --phase parallel would run serial tests beside others: refuse rather than flake.
-    if getattr(config.option, "numprocesses", None) and config.getoption("phase") != "parallel" \
+    # -n without --phase parallel/pairs would run serial tests beside others: refuse rather than flake.
+    if getattr(config.option, "numprocesses", None) and config.getoption("phase") not in ("parallel", "pairs") \
             and not hasattr(config, "workerinput"):
-        raise pytest.UsageError("pytest -n runs tests side by side; add --phase parallel, and run the serial group "
-                                "afterwards with --phase serial (what `make test` does)")
+        raise pytest.UsageError("pytest -n runs tests side by side; add --phase parallel (or pairs), and run the "
+                                "serial group afterwards with --phase serial (what `make test` does)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: the guard counts everything collected
 def pytest_collection_modifyitems(session, config, items):
-    """The suite-time guard's view of this session's tests (tests/test_suite_budget.py asserts on it), then the
-    serial mark on every serial test (so `-m serial` selects them too) and the --phase selection."""
+    """The suite-time guard's view of this session's tests (tests/test_suite_budget.py asserts on it), then each
+    test's phase mark (so `-m own_ray` / `-m serial` select a phase too) and the --phase selection."""
     from test_suite_budget import AUDIT, audit
 
     config.stash[AUDIT] = audit(items)
+    phases = {}
     for item in items:
-        if serial_reason(item) and item.get_closest_marker("serial") is None:
-            item.add_marker(pytest.mark.serial)
-    phase = config.getoption("phase")
-    if phase:
-        wanted = phase == "serial"
-        other = [i for i in items if (i.get_closest_marker("serial") is not None) != wanted]
+        phase, _ = phase_of(item)
+        phases[item.nodeid] = phase
+        if phase in PHASE_MARK and item.get_closest_marker(PHASE_MARK[phase]) is None:
+            item.add_marker(getattr(pytest.mark, PHASE_MARK[phase]))
+    wanted = config.getoption("phase")
+    if wanted:
+        other = [i for i in items if phases[i.nodeid] != wanted]
         if other:
             config.hook.pytest_deselected(items=other)
-            items[:] = [i for i in items if (i.get_closest_marker("serial") is not None) == wanted]
+            items[:] = [i for i in items if phases[i.nodeid] == wanted]

@@ -192,7 +192,7 @@ def _vllm_greedy(model_dir: Path, prompts: list[list[int]], work: Path) -> list[
     return json.loads((work / "vllm_out.json").read_text())
 
 
-@pytest.mark.serial  # the trained_run fixture runs the trainer, which starts its own Ray
+@pytest.mark.own_ray  # the trained_run fixture runs the trainer, which starts a Ray of its own
 @pytest.mark.slow
 def test_export_of_a_trained_run_generates_what_the_trainer_generated(trained_run, exported):
     out, record = exported

@@ -55,21 +55,27 @@ def test_the_guard_sees_a_fixture_run_and_an_e2e_module():
 AUDIT = pytest.StashKey[dict]()
 
 
-def test_the_serial_rule_on_stand_in_items():
-    """tests/conftest.py's serial_reason, which `make test` splits the suite by: Ray fixtures, the cluster / fault /
-    serial marks and the e2e / launcher modules make a test serial; a unit or torchrun test may run beside another."""
-    from conftest import serial_reason
+def test_the_phase_rule_on_stand_in_items():
+    """tests/conftest.py's phase_of, which `make test` splits the suite by: the run-wide Ray fixtures, the cluster /
+    fault / serial marks and the launcher modules make a test serial (and win); a trainer run (the e2e modules, the
+    shared runs, the own_ray mark) runs in pairs; a unit or torchrun test in the parallel phase."""
+    from conftest import phase_of
 
     def Item(module, fixtures=(), marks=()):  # noqa: N802  (a stand-in for a collected pytest item)
         return SimpleNamespace(module=SimpleNamespace(__name__=module), fixturenames=list(fixtures),
                                get_closest_marker=lambda name: name if name in marks else None)
 
-    assert serial_reason(Item("test_controller_ray", ["tmp_path", "ray_cluster"])) == "fixture ray_cluster"
-    assert serial_reason(Item("test_timeline", ["run", "observed_run"])) == "fixture observed_run"
-    assert serial_reason(Item("test_multinode", marks=["slow", "cluster"])) == "mark cluster"
-    assert serial_reason(Item("test_security", marks=["fault"])) == "mark fault"
-    assert serial_reason(Item("test_rewards", marks=["serial"])) == "mark serial"
-    assert serial_reason(Item("test_e2e_trainer", ["tmp_path"])) == "module test_e2e_trainer"
-    assert serial_reason(Item("test_launch_cluster", ["tmp_path"])) == "module test_launch_cluster"
-    assert serial_reason(Item("test_mcore_parity", ["tmp_path"], marks=["slow"])) is None
-    assert serial_reason(Item("test_protocol", ["tmp_path"])) is None
+    assert phase_of(Item("test_controller_ray", ["tmp_path", "ray_cluster"])) == ("serial", "fixture ray_cluster")
+    assert phase_of(Item("test_timeline", ["run", "observed_run"])) == ("serial", "fixture observed_run")
+    assert phase_of(Item("test_multinode", marks=["slow", "cluster"])) == ("serial", "mark cluster")
+    assert phase_of(Item("test_security", marks=["fault"])) == ("serial", "mark fault")
+    assert phase_of(Item("test_rewards", marks=["serial"])) == ("serial", "mark serial")
+    assert phase_of(Item("test_launch_cluster", ["tmp_path"])) == ("serial", "module test_launch_cluster")
+    # a fault test in an e2e module (a kill) and the observed run in test_e2e_trainer stay alone
+    assert phase_of(Item("test_e2e_async", ["warm_assets"], marks=["slow", "fault"])) == ("serial", "mark fault")
+    assert phase_of(Item("test_e2e_trainer", ["observed_run"])) == ("serial", "fixture observed_run")
+    assert phase_of(Item("test_e2e_trainer", ["tmp_path"])) == ("pairs", "module test_e2e_trainer")
+    assert phase_of(Item("test_e2e_async", ["plain_run", "warm_assets"])) == ("pairs", "fixture plain_run")
+    assert phase_of(Item("test_convert", ["trained_run"], marks=["own_ray"])) == ("pairs", "mark own_ray")
+    assert phase_of(Item("test_mcore_parity", ["tmp_path"], marks=["slow"])) == ("parallel", None)
+    assert phase_of(Item("test_protocol", ["tmp_path"])) == ("parallel", None)

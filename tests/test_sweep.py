@@ -154,7 +154,7 @@ def sweep(tmp_path_factory):
     return out, proc.stdout
 
 
-@pytest.mark.serial  # the sweep fixture runs Ray Tune (a local Ray)
+@pytest.mark.own_ray  # the sweep fixture runs Ray Tune (a local Ray of its own, in a subprocess)
 @pytest.mark.slow
 def test_two_trials_finish_a_bad_one_errors_and_the_table_lists_them(sweep):
     out, stdout = sweep
@@ -171,7 +171,7 @@ def test_two_trials_finish_a_bad_one_errors_and_the_table_lists_them(sweep):
         by_lr[1e-5]["trial"], by_lr[1e-3]["trial"]}
 
 
-@pytest.mark.serial  # the sweep fixture runs Ray Tune (a local Ray)
+@pytest.mark.own_ray  # the sweep fixture runs Ray Tune (a local Ray of its own, in a subprocess)
 @pytest.mark.slow
 def test_best_is_the_max_of_the_trials_own_metrics_and_reloads(sweep):
     from hybridflow.config.load import load_config
@@ -197,7 +197,7 @@ def test_best_is_the_max_of_the_trials_own_metrics_and_reloads(sweep):
     assert not cfg.trainer.default_local_dir.startswith(str(out / "trials"))  # not a trial's run directory
 
 
-@pytest.mark.serial  # the sweep fixture runs Ray Tune (a local Ray)
+@pytest.mark.own_ray  # the sweep fixture runs Ray Tune (a local Ray of its own, in a subprocess)
 @pytest.mark.slow
 def test_resume_restores_the_sweep_without_rerunning_finished_trials(sweep):
     out, _ = sweep
