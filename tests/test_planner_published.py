@@ -115,6 +115,30 @@ def test_transition_is_the_papers_volume_over_the_nic_share():
     assert got == pytest.approx(recv / (per_gpu * S.eff("internode_link")))
 
 
+def test_fsdp_backend_by_hand_and_its_input_check():
+    """--train-backend fsdp: every training and forward pass is its FLOPs over all GPUs at fsdp_mfu, no TP/PP/DP
+    term beside it (torchtitan's measured figure has FSDP's communication inside); megatron keeps its terms."""
+    opts = Options(response_length_mean=250, response_length_p99=600, prompt_length_mean=105, packing="packed",
+                   recompute="full")
+    mega = make_plan(PPO, [], opts)
+    with S.efficiency_overrides({"fsdp_mfu": 0.25}):
+        fsdp = make_plan(PPO, [], dataclasses.replace(opts, train_backend="fsdp"))
+    for name, mfu in (("update_actor", "train_mfu"), ("update_critic", "train_mfu"), ("old_log_prob", "forward_mfu"),
+                      ("ref", "forward_mfu"), ("values", "forward_mfu")):
+        stage = next(s for s in fsdp.stages if s.name == name)
+        megatron = next(s for s in mega.stages if s.name == name)
+        # the same FLOPs: Megatron's compute term is FLOPs / (GPUs x peak x its MFU); FSDP's is at 0.25, and alone
+        assert stage.seconds == pytest.approx(dict(megatron.parts)["compute"] * S.eff(mfu) / 0.25), name
+        assert dict(stage.parts).get("TP/PP comm", 0.0) == 0.0 and "DP grad sync" not in dict(stage.parts), name
+        assert dict(megatron.parts)["TP/PP comm"] > 0, name  # the recipe is TP4: Megatron pays its TP traffic
+    # generation, transition and offload do not depend on the training backend
+    for name in ("generate", "transition", "offload"):
+        assert next(s.seconds for s in fsdp.stages if s.name == name) == \
+            pytest.approx(next(s.seconds for s in mega.stages if s.name == name)), name
+    with pytest.raises(PlanInputError, match="--train-backend 'deepspeed'; choose one of megatron, fsdp"):
+        make_plan(PPO, [], Options(train_backend="deepspeed"))
+
+
 # ---- response-length inputs ----------------------------------------------------------------------------------
 def test_shorter_responses_shorten_the_step_and_count_fewer_tokens():
     full = make_plan(PPO, [], Options(prompt_length_mean=105, packing="packed"))
@@ -178,8 +202,9 @@ def test_leave_one_source_out_is_computed(result, monkeypatch):
     assert loso["hybridflow-paper"] == pytest.approx(again)
     paper_now = max(abs(c["rel_error"]) for c in P.numeric(result["cases"]) if c["source"] == "hybridflow-paper")
     assert loso["hybridflow-paper"] != pytest.approx(paper_now)
-    # mark an entry as informed by verl: verl's leave-one-out now replays with its prior
-    monkeypatch.setitem(S.EFFICIENCY, "train_mfu", S.Eff(0.40, "test", frozenset({"verl"}), 0.20))
+    # mark the entry verl's cases train at (FSDP, as verl's scripts) as informed by verl: its leave-one-out now
+    # replays with that entry's prior
+    monkeypatch.setitem(S.EFFICIENCY, "fsdp_mfu", S.Eff(0.33, "test", frozenset({"verl"}), 0.20))
     assert P.leave_one_source_out(["verl"])["verl"] != pytest.approx(loso["verl"])
 
 

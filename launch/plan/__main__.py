@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="mean prompt tokens (default: data.max_prompt_length)")
     ap.add_argument("--packing", default="trim", help="trim (micro-batch padded to its longest row) | packed "
                     "(real tokens only) | pad (every row at the budget)")
+    ap.add_argument("--train-backend", default="megatron", help="megatron (ours) | fsdp (what an FSDP trainer such as "
+                    "verl's example scripts would take: one measured FSDP efficiency, launch/plan/step_time.py)")
     ap.add_argument("--header", action="store_true", help="print a recipe header for this plan")
     ap.add_argument("--json", action="store_true", help="also print the plan's numbers as one JSON line")
     ap.add_argument("--write-headers", action="store_true",
@@ -55,7 +57,7 @@ def options_from(args: argparse.Namespace) -> Options:
                    internode_gbps_per_node=args.internode_gbps, max_num_seqs=args.max_num_seqs,
                    response_length_mean=args.response_length_mean, response_length_p99=args.response_length_p99,
                    rollout_data_dir=args.rollout_data_dir, prompt_length_mean=args.prompt_length_mean,
-                   packing=args.packing)
+                   packing=args.packing, train_backend=args.train_backend)
 
 
 def summary(plan) -> dict:

@@ -18,6 +18,7 @@ from launch.plan.memory import KERNEL_PROFILES, LOCAL_PROFILES, RECOMPUTE_MODES,
 from launch.plan.shapes import Shape, resolve_shape
 
 PACKINGS = ("trim", "packed", "pad")
+TRAIN_BACKENDS = ("megatron", "fsdp")
 
 
 class PlanInputError(ValueError):
@@ -50,6 +51,10 @@ class Options:
     # Megatron DDP's overlap_grad_reduce/overlap_param_gather: the DP gradient sync hides behind the backward. Our
     # DDP runs without it (megatron_workers/optimizer.py); a planning what-if for other trainers (the paper's).
     overlap_grad_reduce: bool = False
+    # Which trainer's training and forward passes to plan: "megatron" (ours: the TP/PP/DP terms below, each apart) or
+    # "fsdp" (a planning what-if for FSDP trainers, e.g. verl's example scripts: every rank holds a data-parallel
+    # shard, and one measured FSDP efficiency covers the math and FSDP's own gathers and reduce-scatters).
+    train_backend: str = "megatron"
 
 
 @dataclass(frozen=True)
@@ -300,6 +305,8 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
                                      pool("reward_model"))
     if options.packing not in PACKINGS:
         raise PlanInputError(f"--packing {options.packing!r}; choose one of {', '.join(PACKINGS)}")
+    if options.train_backend not in TRAIN_BACKENDS:
+        raise PlanInputError(f"--train-backend {options.train_backend!r}; choose one of {', '.join(TRAIN_BACKENDS)}")
     budget = a.rollout.response_length
     try:
         if options.rollout_data_dir:
