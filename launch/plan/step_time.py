@@ -230,15 +230,17 @@ def forward_pass(job: Job, role: Role, name: str) -> StageTime:
     m = max(1, job.sequences // d.dp // micro)
     seq = job.compute_seq_len(micro)
     flops = forward_flops(role, seq, job.sequences)
-    fsdp = job.options.train_backend == "fsdp"
-    comm = 0.0 if fsdp else model_parallel_comm_s(job, role, 4, seq)
-    a2a = 0.0 if fsdp else dispatcher_comm_s(job, role, 2, seq)
-    mfu = eff("fsdp_mfu") if fsdp else eff("forward_mfu")
-    compute = flops / (gpus * job.device.peak_flops * mfu)
-    bubble = 1.0 if fsdp else _bubble(d.pp, m)
+    if job.options.train_backend == "fsdp":  # as in update(): one end-to-end efficiency, communication inside it
+        compute = flops / (gpus * job.device.peak_flops * eff("fsdp_mfu"))
+        return StageTime(name, compute, f"{flops:.3g} FLOP on {gpus} GPUs at {eff('fsdp_mfu'):.0%} MFU (FSDP, "
+                                        f"communication included; {seq:.0f} tokens/row)", (("compute", compute),))
+    comm = model_parallel_comm_s(job, role, 4, seq)
+    a2a = dispatcher_comm_s(job, role, 2, seq)
+    compute = flops / (gpus * job.device.peak_flops * eff("forward_mfu"))
+    bubble = _bubble(d.pp, m)
     sec = (compute + comm + a2a) * bubble
-    return StageTime(name, sec, f"{flops:.3g} FLOP on {gpus} GPUs at {mfu:.0%} MFU{' (FSDP)' if fsdp else ''} "
-                                f"({seq:.0f} tokens/row), TP/PP comm {comm:.1f} s"
+    return StageTime(name, sec, f"{flops:.3g} FLOP on {gpus} GPUs at {eff('forward_mfu'):.0%} MFU ({seq:.0f} "
+                                f"tokens/row), TP/PP comm {comm:.1f} s"
                                 + (f", EP alltoall {a2a:.1f} s" if a2a else "") + f", bubble p={d.pp} m={m}",
                      (("compute", compute), ("TP/PP comm", comm), ("EP alltoall", a2a),
                       ("pipeline bubble", sec - compute - comm - a2a)))
