@@ -26,6 +26,21 @@ def test_config_file_and_overrides(tmp_path):
     assert cfg.trainer.default_local_dir == "runs/abc"  # interpolation resolved
 
 
+def test_one_loads_overrides_never_reach_the_next_load():
+    """load_config shares one built copy of the schema's defaults between calls (hybridflow/config/load.py,
+    _defaults): an override, or a write to a loaded config, must not leak into later loads."""
+    from hybridflow.config.schema import HybridFlowConfig
+
+    fresh = load_config()
+    assert fresh.data.train_batch_size == HybridFlowConfig().data.train_batch_size
+    changed = load_config(None, ["data.train_batch_size=3", "trainer.experiment_name=xyz"])
+    changed.actor_rollout_ref.actor.optim.lr = 123.0
+    assert changed.data.train_batch_size == 3 and changed.trainer.default_local_dir == "runs/xyz"
+    again = load_config()
+    assert again == fresh and again.actor_rollout_ref.actor.optim.lr != 123.0
+    assert again.trainer.default_local_dir == f"runs/{fresh.trainer.experiment_name}"
+
+
 def test_config_unknown_key_names_nearest(tmp_path):
     with pytest.raises(ConfigError, match="did you mean 'actor_rollout_ref.rollout.temperature'"):
         load_config(None, ["actor_rollout_ref.rollout.temprature=0.5"])
