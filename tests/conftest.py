@@ -157,18 +157,19 @@ def server_run(warm_assets, tmp_path_factory):
 # with (phase_of):
 #  - parallel (`-n 2 --phase parallel`): units, single-process model tests, torchrun/vLLM process groups, whose
 #    rendezvous ports come from hybridflow/ports.py and whose vLLM shm segments are named per job;
-#  - pairs (`-n 2 --phase pairs`): whole trainer runs, each in a subprocess with a local Ray of its own (the test_e2e_*
-#    modules, the shared warm_assets / plain_run / server_run, or marked `own_ray` by hand: a sweep, an export of a
-#    trained run). Ray 2.60 starts a local cluster on ports of its own choosing under its own temp dir, so two runs
-#    coexist; the shared runs are built once for both workers (built_once);
-#  - serial (`--phase serial`): one at a time, what a second test could break: the run-wide Ray cluster and the
-#    observed run (ray_cluster, observed_run), a simulated multi-node cluster (`cluster`), launchers (test_launch_*:
-#    signals, `ray start`), fault injection (`fault`: kills, deadlines, detection times), and anything marked
-#    `serial` by hand (a timing bound).
-ALONE_FIXTURES = {"ray_cluster", "observed_run", "cluster"}
+#  - pairs (`-n 2 --phase pairs`): what starts a local Ray of its own: whole trainer runs, each in a subprocess (the
+#    test_e2e_* modules, the shared warm_assets / plain_run / server_run, or marked `own_ray` by hand: a sweep, an
+#    export of a trained run), and the users of `ray_cluster`, one per xdist worker (a session fixture). Ray 2.60
+#    starts a local cluster on ports of its own choosing under its own temp dir, so two clusters coexist; the shared
+#    runs are built once for both workers (built_once);
+#  - serial (`--phase serial`): one at a time, what a second test could break: the observed run (observed_run: Ray's
+#    own Prometheus export), a simulated multi-node cluster (`cluster`), launchers (test_launch_*: signals,
+#    `ray start`), fault injection (`fault`: kills, deadlines, detection times), and anything marked `serial` by hand
+#    (a timing bound).
+ALONE_FIXTURES = {"observed_run", "cluster"}
 ALONE_MARKS = ("serial", "cluster", "fault")
 ALONE_MODULES = ("test_launch_",)
-RUN_FIXTURES = {"warm_assets", "plain_run", "server_run"}
+RUN_FIXTURES = {"ray_cluster", "warm_assets", "plain_run", "server_run"}
 RUN_MARKS = ("own_ray",)
 RUN_MODULES = ("test_e2e_",)
 PHASES = ("parallel", "pairs", "serial")

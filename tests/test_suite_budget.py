@@ -56,16 +56,18 @@ AUDIT = pytest.StashKey[dict]()
 
 
 def test_the_phase_rule_on_stand_in_items():
-    """tests/conftest.py's phase_of, which `make test` splits the suite by: the run-wide Ray fixtures, the cluster /
-    fault / serial marks and the launcher modules make a test serial (and win); a trainer run (the e2e modules, the
-    shared runs, the own_ray mark) runs in pairs; a unit or torchrun test in the parallel phase."""
+    """tests/conftest.py's phase_of, which `make test` splits the suite by: the observed run, the cluster / fault /
+    serial marks and the launcher modules make a test serial (and win); a Ray of its own (the e2e modules, the
+    shared runs, ray_cluster, the own_ray mark) runs in pairs; a unit or torchrun test in the parallel phase."""
     from conftest import phase_of
 
     def Item(module, fixtures=(), marks=()):  # noqa: N802  (a stand-in for a collected pytest item)
         return SimpleNamespace(module=SimpleNamespace(__name__=module), fixturenames=list(fixtures),
                                get_closest_marker=lambda name: name if name in marks else None)
 
-    assert phase_of(Item("test_controller_ray", ["tmp_path", "ray_cluster"])) == ("serial", "fixture ray_cluster")
+    assert phase_of(Item("test_controller_ray", ["tmp_path", "ray_cluster"])) == ("pairs", "fixture ray_cluster")
+    # a kill on the shared cluster (test_fault_collective) stays alone
+    assert phase_of(Item("test_fault_collective", ["ray_cluster"], marks=["fault"])) == ("serial", "mark fault")
     assert phase_of(Item("test_timeline", ["run", "observed_run"])) == ("serial", "fixture observed_run")
     assert phase_of(Item("test_multinode", marks=["slow", "cluster"])) == ("serial", "mark cluster")
     assert phase_of(Item("test_security", marks=["fault"])) == ("serial", "mark fault")
