@@ -2,10 +2,11 @@
 
 `import megatron.core` takes ~3.9 s of CPU (megatron-core 0.16.1, torch 2.13, this 2-core box); ~1.8 s of it
 goes on two things no Megatron worker of ours touches at import:
-- `megatron.core.jit` sets `jit_fuser = torch.compile`, and a dozen fused-kernel modules decorate functions with
-  it when they are imported. Decorating already imports torch._dynamo and parts of inductor (~1.3 s), though
-  nothing is compiled until a decorated function is first called, and on our paths most never are.
-- megatron's timers and inference context `import wandb` inside `try` (~0.5 s) to log to it if configured;
+- `megatron.core.jit` sets `jit_fuser = torch.compile`, and megatron's fused-kernel modules decorate functions
+  with it when they are imported. Decorating already imports torch._dynamo and parts of inductor (1.1 s of
+  `-X importtime`), though nothing is compiled until a decorated function is first called, and on our paths most
+  never are.
+- megatron's timers and inference context `import wandb` inside `try` (0.4 s) to log to it if configured;
   we never configure it (hybridflow/trainer/tracking.py imports wandb itself when trainer.logger asks for it).
 
 Every worker process (each torchrun rank, each Ray actor) pays that once, and a run starts several, so the
@@ -85,6 +86,9 @@ class _LeanLoader(importlib.abc.Loader):
     def exec_module(self, module):
         with lean():
             self.loader.exec_module(module)
+
+    def __getattr__(self, name):  # is_package, get_resource_reader, get_data...: the real loader's, unchanged
+        return getattr(self.loader, name)
 
 
 class _Hook(importlib.abc.MetaPathFinder):

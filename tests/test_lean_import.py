@@ -25,6 +25,8 @@ import torch
 out = {"dynamo_at_import": "torch._dynamo" in sys.modules, "wandb_at_import": "wandb" in sys.modules,
        "geglu_deferred": getattr(fused_bias_geglu.geglu, "deferred_compile", False),
        "compile_restored": torch.compile.__module__ == "torch"}
+import importlib.resources  # the wrapped loader still answers for the package's files
+out["package_files"] = any(p.name == "__init__.py" for p in importlib.resources.files("megatron.core").iterdir())
 import wandb  # our tracking's import still gets the real package
 out["wandb_after"] = wandb.__name__
 print(json.dumps(out))
@@ -41,7 +43,7 @@ def _probe(**env) -> dict:
 def test_first_megatron_import_skips_dynamo_and_wandb_then_both_work():
     pytest.importorskip("wandb")
     assert _probe() == {"dynamo_at_import": False, "wandb_at_import": False, "geglu_deferred": True,
-                        "compile_restored": True, "wandb_after": "wandb"}
+                        "compile_restored": True, "package_files": True, "wandb_after": "wandb"}
 
 
 def test_switched_off_the_import_is_megatrons_own():
