@@ -60,7 +60,8 @@ def built_once(tmp_path_factory, name: str, build):
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """A real local Ray cluster shared by every test that needs one (starting one costs 7-16 s)."""
+    """A real local Ray cluster shared by every test of this pytest process that needs one (starting one costs
+    7-16 s); in the pairs phase each xdist worker has its own, beside the trainer runs' own clusters."""
     import ray
 
     from hybridflow.controller import init_ray
