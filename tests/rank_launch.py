@@ -1,0 +1,348 @@
+"""Process groups for the tests, forked from one process that has already imported torch, megatron and vLLM.
+
+Why: the multi-process tests (torchrun-style rank groups, the cross-pool sync's two pools) run a few seconds of work
+per process, and each fresh interpreter first spends ~4-9 s of CPU importing torch, megatron.core, vLLM and
+transformers (docs/index.md, "The tests"); torchrun's own launcher imports torch again. Here a long-lived server
+per pytest process (a "zygote", as Android and multiprocessing's forkserver do it) pays those imports once; every
+rank is a fork of it that then runs its script as `python script.py` would (sys.argv, sys.path[0], __main__,
+its own environment, stdout and stderr), with torchrun's rank variables when asked for. The groups are as real as
+before: separate processes, gloo over TCP, files on disk; only the launcher differs.
+
+What a fork does not give, and so the real launcher stays in use where it matters: each rank has the server's
+hash seed (torchrun's ranks each draw one), and torchrun itself is not exercised (test_launch_torchrun_ray.py runs
+it, as the trainer does). HYBRIDFLOW_TEST_LAUNCHER=subprocess runs every group as fresh interpreters instead (the
+old way: torch.distributed.run, or plain `python`), to tell a launcher problem from a code problem.
+
+Used as `run_group` / `torchrun` by the tests; run as `python rank_launch.py --serve` by run_group itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# What every group's processes import anyway; megatron_workers first, so its lean import hook covers megatron.core.
+PRELOAD = ("torch", "torch.distributed", "megatron_workers", "megatron.core", "megatron.core.parallel_state",
+           "vllm", "transformers", "safetensors.torch")
+SERVER_START_TIMEOUT_S = 300  # the preload takes ~10 s of CPU on a loaded 2-core box; far more means it hung
+
+
+@dataclass
+class Proc:
+    """One process of a group: `python argv[0] argv[1:]` with this environment."""
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+@dataclass
+class Result:
+    returncode: int  # -9: killed (after a peer failed and the grace ran out, or at the timeout)
+    stdout: str
+    stderr: str
+
+
+def _fresh_interpreters() -> bool:
+    return os.environ.get("HYBRIDFLOW_TEST_LAUNCHER", "fork") == "subprocess"
+
+
+# ---- the client (in the pytest process) ---------------------------------------------------------------------------
+
+_server: subprocess.Popen | None = None
+_server_log: Path | None = None
+_lock = threading.Lock()
+
+
+def _start_server() -> subprocess.Popen:
+    global _server, _server_log, _pending
+    if _server is not None and _server.poll() is None:
+        return _server
+    _server_log = Path(tempfile.mkstemp(prefix="rank_launch_server_", suffix=".log")[1])
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    with open(_server_log, "w") as log:
+        _server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], cwd=REPO, env=env,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
+    _pending = b""
+    atexit.register(_stop_server, _server)
+    ready = _read_line(_server, SERVER_START_TIMEOUT_S)
+    if ready is None or json.loads(ready).get("ready") is not True:
+        _server.kill()
+        raise RuntimeError(f"the rank-launch server did not start (rc={_server.poll()}):\n"
+                           f"{_server_log.read_text()[-4000:]}")
+    return _server
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        server.kill()
+        server.wait()
+
+
+_pending = b""  # bytes read from the server past the last whole line
+
+
+def _read_line(server: subprocess.Popen, timeout: float) -> str | None:
+    """The server's next line, or None when `timeout` passes or it dies first. Reads the pipe's fd itself: a
+    buffered reader could hold the next line where select() cannot see it."""
+    global _pending
+    deadline = time.monotonic() + max(timeout, 0)
+    fd = server.stdout.fileno()
+    while b"\n" not in _pending:
+        ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return None
+        _pending += chunk
+    line, _, _pending = _pending.partition(b"\n")
+    return line.decode()
+
+
+def run_group(procs: list[Proc], cwd: Path | str = REPO, timeout: float = 300, grace: float = 15) -> list[Result]:
+    """Start every process at once; wait for all. When one fails, the others get `grace` seconds to finish or fail
+    on their own (a peer's error usually says what it waited for), then are killed (returncode -9), as are all of
+    them at `timeout`. Raises subprocess.TimeoutExpired at the timeout, with every process's output so far."""
+    with tempfile.TemporaryDirectory(prefix="rank_launch_") as tmp:
+        outs = [(Path(tmp) / f"{i}.out", Path(tmp) / f"{i}.err") for i in range(len(procs))]
+        if _fresh_interpreters():
+            rcs, timed_out = _run_fresh(procs, outs, cwd, timeout, grace)
+        else:
+            rcs, timed_out = _run_forked(procs, outs, cwd, timeout, grace)
+        results = [Result(rc, _read(o), _read(e)) for rc, (o, e) in zip(rcs, outs)]
+    if timed_out:
+        raise subprocess.TimeoutExpired([p.argv for p in procs], timeout,
+                                        output="\n".join(r.stdout for r in results),
+                                        stderr="\n".join(r.stderr for r in results))
+    return results
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def _run_forked(procs, outs, cwd, timeout, grace) -> tuple[list[int], bool]:
+    with _lock:
+        server = _start_server()
+        request = {"procs": [{"argv": [str(a) for a in p.argv], "env": p.env, "out": str(o), "err": str(e)}
+                             for p, (o, e) in zip(procs, outs)],
+                   "cwd": str(cwd), "grace": grace}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        started = _read_line(server, 60)
+        if started is None:
+            raise RuntimeError(f"the rank-launch server died:\n{_server_log.read_text()[-4000:]}")
+        pgid = json.loads(started)["pgid"]
+        done = _read_line(server, timeout)
+        timed_out = done is None and server.poll() is None
+        if timed_out:
+            os.killpg(pgid, signal.SIGKILL)
+            done = _read_line(server, 30)
+        if done is None:
+            raise RuntimeError(f"the rank-launch server died:\n{_server_log.read_text()[-4000:]}")
+        rcs = json.loads(done)["rcs"]
+    return [-9 if rc is None else rc for rc in rcs], timed_out
+
+
+def _run_fresh(procs, outs, cwd, timeout, grace) -> tuple[list[int], bool]:
+    files = [(open(o, "w"), open(e, "w")) for o, e in outs]
+    try:
+        running = [subprocess.Popen([sys.executable, *map(str, p.argv)], cwd=cwd, env=p.env, stdout=fo, stderr=fe,
+                                    stdin=subprocess.DEVNULL) for p, (fo, fe) in zip(procs, files)]
+        rcs = _wait_all([r.pid for r in running], timeout, grace)
+    finally:
+        for fo, fe in files:
+            fo.close()
+            fe.close()
+    timed_out = rcs is None
+    return [-9 if rc is None else rc for rc in (rcs or [None] * len(procs))], timed_out
+
+
+def _wait_all(pids: list[int], timeout: float, grace: float) -> list[int | None] | None:
+    """Reap `pids` (children of this process); kill the rest `grace` s after the first failure; None at timeout."""
+    rcs: dict[int, int] = {}
+    deadline, failed_at = time.monotonic() + timeout, None
+    while len(rcs) < len(pids):
+        for pid in pids:
+            if pid not in rcs:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    rcs[pid] = os.waitstatus_to_exitcode(status)
+                    if rcs[pid] != 0 and failed_at is None:
+                        failed_at = time.monotonic()
+        now = time.monotonic()
+        if now > deadline or (failed_at is not None and now - failed_at > grace):
+            for pid in pids:
+                if pid not in rcs:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    rcs[pid] = -9
+            if now > deadline:
+                return None
+        time.sleep(0.05)
+    return [rcs[p] for p in pids]
+
+
+def torchrun(script: Path | str, nproc: int, args: list[str], env: dict[str, str] | None = None,
+             cwd: Path | str = REPO, timeout: float = 300, master_port: int | None = None) -> Result:
+    """`python -m torch.distributed.run --nproc-per-node=N --master-addr=127.0.0.1 script args` on one node: each
+    rank gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT; OMP_NUM_THREADS
+    1 unless set). One Result: the first failing rank's code (0 if none), every rank's stdout and stderr in rank
+    order. When a rank fails, the others get 5 s, as torchrun stops a group that lost a member."""
+    from hybridflow.ports import free_port
+
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    if _fresh_interpreters():  # the real launcher
+        port = master_port or free_port()
+        cmd = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+               f"--master-port={port}", str(script), *map(str, args)]
+        r = run_group([Proc(cmd, base)], cwd, timeout)[0]
+        return r
+    port = str(master_port or free_port())
+    procs = [Proc([str(script), *map(str, args)],
+                  {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
+                   "LOCAL_WORLD_SIZE": str(nproc), "ROLE_RANK": str(r), "ROLE_WORLD_SIZE": str(nproc),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(nproc)]
+    results = run_group(procs, cwd, timeout, grace=5)
+    failed = [r.returncode for r in results if r.returncode != 0]
+    return Result(failed[0] if failed else 0, "".join(r.stdout for r in results),
+                  "".join(r.stderr for r in results))
+
+
+# ---- the server (a process of its own) ----------------------------------------------------------------------------
+
+def _serve() -> None:
+    """Preload, say ready, then one group per request line: fork a leader (its own process group, so the client
+    can kill the whole group at a timeout), which forks the processes and reports their codes."""
+    import gc
+    import importlib
+
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # a stray print from an import must not corrupt the protocol
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.freeze()  # the preloaded objects never move to a collected generation, so forks keep sharing their pages
+    _become_subreaper()
+    proto.write(json.dumps({"ready": True, "preloaded": list(PRELOAD)}) + "\n")
+    for line in sys.stdin:
+        request = json.loads(line)
+        results = tempfile.mkstemp(prefix="rank_launch_rcs_")[1]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        leader = os.fork()
+        if leader == 0:
+            proto.close()
+            os.setpgid(0, 0)
+            rcs = _lead(request)
+            Path(results).write_text(json.dumps(rcs))
+            os._exit(0)
+        proto.write(json.dumps({"pgid": leader}) + "\n")
+        _, status = os.waitpid(leader, 0)
+        _reap_group(leader, killed=os.waitstatus_to_exitcode(status) < 0)
+        text = Path(results).read_text()
+        os.unlink(results)
+        rcs = json.loads(text) if text else [None] * len(request["procs"])
+        proto.write(json.dumps({"rcs": rcs}) + "\n")
+
+
+def _become_subreaper() -> None:
+    """Processes orphaned by a killed leader come to this server rather than to PID 1, which in a container may
+    never reap them (they would stay as zombies)."""
+    import ctypes
+
+    PR_SET_CHILD_SUBREAPER = 36
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans go to init as usual
+        pass
+
+
+def _reap_group(pgid: int, killed: bool) -> None:
+    """Reap what is left (members reparent to this subreaper when their leader dies). After a kill every member of
+    the group got SIGKILL with the leader: wait for each. Then take any other orphan already gone (no group runs
+    now, so nothing else is a child of this server)."""
+    for target, flags in ((-pgid, 0), (-1, os.WNOHANG)) if killed else ((-1, os.WNOHANG),):
+        while True:
+            try:
+                pid, _ = os.waitpid(target, flags)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+
+
+def _lead(request: dict) -> list[int | None]:
+    pids = []
+    for proc in request["procs"]:
+        pid = os.fork()
+        if pid == 0:
+            _become(proc, request["cwd"])  # never returns
+        pids.append(pid)
+    rcs = _wait_all(pids, float("inf"), request["grace"])
+    return rcs
+
+
+def _become(proc: dict, cwd: str) -> None:
+    """In a fresh fork: turn into `python argv...` with its own env and outputs, run it, exit with its code."""
+    import runpy
+
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(os.open(proc["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
+    os.dup2(os.open(proc["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(proc["env"])
+    argv = proc["argv"]
+    module = argv[1] if argv[0] == "-m" else None  # `python -m module args`: sys.path[0] is the cwd
+    script = None if module else os.path.abspath(argv[0])
+    extra = [p for p in proc["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = os.getcwd() if module else os.path.dirname(script)
+    sys.path[:] = [first, *extra, *[p for p in sys.path[1:] if p not in extra]]
+    sys.argv = [module or script, *argv[2 if module else 1:]]
+    code = 0
+    try:
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    # Exit as `python script.py` would, less the module teardown: join the non-daemon threads, run the atexit
+    # handlers (logging, vLLM's and torch's cleanups), flush. Tearing down the preloaded modules would write to every
+    # page this fork shares with the server (reference counts), ~2 s of copying for nothing.
+    import threading
+
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
+    _serve()
