@@ -173,15 +173,13 @@ def test_an_ep2_checkpoint_resumes_bit_exact_and_refuses_another_expert_split(mo
     assert diff(saved["step3_params"], again["step3_params"]) == 0.0
     # the weights alone convert at any expert split: one process (EP1) exports the EP2 checkpoint bit for bit
     import os
-    import subprocess
 
-    from train_common import REPO, free_port
+    from rank_launch import torchrun
+    from train_common import REPO
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "-m", "megatron_workers.convert", "mcore-to-hf", "--mcore", str(ckpt),
-           "--out", str(tmp_path / "hf"), "--hf-config", str(model)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    proc = torchrun("-m", 1, ["megatron_workers.convert", "mcore-to-hf", "--mcore", str(ckpt), "--out",
+                              str(tmp_path / "hf"), "--hf-config", str(model)],
+                    env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert diff(saved["saved"], load_hf_state(tmp_path / "hf")) == 0.0
     with pytest.raises(RuntimeError, match=r"holds its optimizer state in 2 part\(s\) \(saved at "

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.ports import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "reshard_scripts"
 # (t, p, t_g) on a world of 4 (d = 4 / (t*p)): the seven asked-for transitions plus alias, p=4 and t_g>t with p>1
@@ -82,11 +80,10 @@ def test_engine_bytes_beat_the_naive_all_gather(engine_results):
 
 @pytest.mark.slow
 def test_vllm_builds_the_planned_groups():
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(SCRIPTS / "check_vllm_groups.py")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    from rank_launch import torchrun
+
+    proc = torchrun(SCRIPTS / "check_vllm_groups.py", 4, [], env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+                    cwd=ROOT, timeout=600)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     layouts = [x for x in lines if "layout" in x]

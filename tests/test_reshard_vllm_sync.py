@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from hybridflow.parallel.dims import GenerationDims, ParallelDims
-from hybridflow.ports import free_port
 from hybridflow.resharding.planner import ParamSpec, plan_resharding
 from hybridflow.resharding.vllm_layout import VllmShardConverter
 
@@ -119,12 +116,10 @@ def test_full_shaped_buffers_commit_only_the_written_region():
 
 def _sync_on_two_ranks(script: str, w0, w1, layout) -> list[dict]:
     """tests/reshard_scripts/<script> on 2 torchrun ranks (vLLM built on w0, synced to w1); its JSON lines."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(ROOT / "tests/reshard_scripts" / script), str(w0), str(w1),
-           *map(str, layout)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from rank_launch import torchrun
+
+    proc = torchrun(ROOT / "tests/reshard_scripts" / script, 2, [str(w0), str(w1), *map(str, layout)],
+                    env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=900)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-5000:])
     return lines

@@ -6,18 +6,16 @@ Both ranks must end with identical outputs, equal to HF transformers greedy deco
 """
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rank_launch import torchrun
 from rollout_scripts.reference import hf_greedy, make_prompts
 
 pytest.importorskip("vllm")
 
 from hybridflow.models.tiny import build_tokenizer, save_tiny_model  # noqa: E402
-from hybridflow.ports import free_port  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "rollout_scripts"
 REPO = Path(__file__).resolve().parents[1]
@@ -35,9 +33,8 @@ def test_two_ranks_tp2_and_two_replicas_equal_hf(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO), os.environ.get("PYTHONPATH", "")])}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(SCRIPTS / "two_rank_vllm.py"), str(model), str(new), str(out_dir)]
-    proc = subprocess.run(cmd, env=env, cwd=SCRIPTS, capture_output=True, text=True, timeout=300)
+    proc = torchrun(SCRIPTS / "two_rank_vllm.py", 2, [str(model), str(new), str(out_dir)], env=env, cwd=SCRIPTS,
+                    timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-
-from hybridflow.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PARITY_WORKER = Path(__file__).resolve().parent / "parity_worker.py"
@@ -126,15 +122,14 @@ def hf_grad_norm(model_dir, input_ids, attention_mask) -> tuple[float, float]:
 
 
 def run_parity_worker(nproc: int, out: Path, *args: str, timeout: int = 120) -> dict:
-    """parity_worker.py under torchrun on `nproc` local processes; its JSON result (pytest.fail with the
-    workers' output tail if it fails)."""
+    """parity_worker.py as torchrun would run it on `nproc` local ranks (forked from the preloaded launch server,
+    tests/rank_launch.py); its JSON result (pytest.fail with the workers' output tail if it fails)."""
     import pytest
+    from rank_launch import torchrun
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(PARITY_WORKER), "--out", str(out), *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    proc = torchrun(PARITY_WORKER, nproc, ["--out", str(out), *args], env=env, cwd=REPO, timeout=timeout)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if "Warning" not in line)[-6000:]
         pytest.fail(f"worker failed (rc={proc.returncode}):\n{tail}")

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-
-from hybridflow.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent
@@ -75,17 +71,18 @@ def actor_config(model_dir, tp: int = 1, pp: int = 1, sp: bool = False, lr: floa
 
 
 def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 150) -> str:
-    """Run tests/mcore_scripts/<script> under torchrun; raises with the output tail when it fails.
+    """Run tests/mcore_scripts/<script> as torchrun would, on `nproc` ranks forked from the preloaded launch server
+    (tests/rank_launch.py); raises with the output tail when it fails.
 
-    The rendezvous port is probed free and then bound by torchrun a moment later; another process can take it
+    The rendezvous port is probed free and then bound by rank 0 a moment later; another process can take it
     in between (seen with several suites on one machine). Only that failure, EADDRINUSE at the rendezvous, is
     retried on a fresh port; any other failure raises at once."""
+    from rank_launch import torchrun
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     for attempt in range(3):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", str(SCRIPTS / script), *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        proc = torchrun(SCRIPTS / script, nproc, args, env=env, cwd=REPO, timeout=timeout)
         if proc.returncode == 0:
             return proc.stdout
         out = proc.stdout + proc.stderr
