@@ -52,6 +52,22 @@ def test_config_unknown_key_names_nearest(tmp_path):
         load_config(None, ["actor_rollout_ref.actor.optim.lr=fast"])
 
 
+def test_to_dict_gives_what_omegaconf_gives():
+    """to_dict's dataclass shortcut against OmegaConf's own conversion, on a config with a file, overrides and
+    interpolated defaults, and on one section."""
+    from omegaconf import OmegaConf
+
+    from hybridflow.config.load import to_dict
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny_cpu.yaml",
+                      ["trainer.experiment_name=xyz", "algorithm.adv_estimator=grpo", "data.train_files=[a,b]"])
+    for part in (cfg, cfg.actor_rollout_ref):
+        assert to_dict(part) == OmegaConf.to_container(OmegaConf.structured(part), resolve=True)
+    assert to_dict(cfg)["trainer"]["experiment_name"] == "xyz" and to_dict(cfg)["data"]["train_files"] == ["a", "b"]
+    plain = load_config(None, ["trainer.experiment_name=xyz"])  # the yaml above sets the dir; the default follows
+    assert to_dict(plain)["trainer"]["default_local_dir"] == "runs/xyz"
+
+
 def _finished_batch():
     # 2 samples, prompt width 3, response width 4; sample 0 has 2 response tokens, sample 1 all 4.
     response_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])

