@@ -52,8 +52,9 @@ def test_agent_trajectories_are_the_sampled_tokens_plus_the_tools_tokens(agent_r
     records = [json.loads(x) for step in (1, 2) for x in (root / "rollouts" / f"step_{step}.jsonl").read_text()
                .splitlines()]
     assert len(records) == 2 * 8 * 4
-    budget = yaml.safe_load((root / "run" / "config.yaml").read_text())["actor_rollout_ref"]["rollout"][
-        "response_length"]  # the whole trajectory's: model turns and tool tokens
+    rollout = yaml.safe_load((root / "run" / "config.yaml").read_text())["actor_rollout_ref"]["rollout"]
+    budget = rollout["response_length"]  # the whole trajectory's: model turns and tool tokens
+    turn_cap = rollout["multi_turn"]["max_tokens_per_turn"]
     tool_turns = 0
     for rec in records:
         turns = rec["turns"]
@@ -63,7 +64,9 @@ def test_agent_trajectories_are_the_sampled_tokens_plus_the_tools_tokens(agent_r
                 continue
             tool_turns += 1
             call = turns[k - 1]
-            assert call["role"] == "assistant" and call["ids"][-1] == eos, rec
+            # the call's turn ended at EOS, or was cut at max_tokens_per_turn and still held a call (the loop runs
+            # it: ToolAgentLoop.run; seen on a CPU without bf16, where auto picks fp32 and the samples differ)
+            assert call["role"] == "assistant" and (call["ids"][-1] == eos or len(call["ids"]) == turn_cap), rec
             found = re.search(r"@lookup\(([^)\n]*)\)", call["text"])
             key = found.group(1).strip() if found else ""
             value = secret(key) if key.isalpha() and key.islower() else None  # the tool's own rule
