@@ -1,6 +1,6 @@
 """Process groups for the tests, forked from one process that has already imported torch, megatron and vLLM.
 
-Why: the multi-process tests (torchrun-style rank groups, the cross-pool sync's two pools) run a few seconds of work
+Why: the multi-process tests (torchrun-style rank groups of 1-4 processes) run a few seconds of work
 per process, and each fresh interpreter first spends ~4-9 s of CPU importing torch, megatron.core, vLLM and
 transformers (docs/index.md, "The tests"); torchrun's own launcher imports torch again. Here a long-lived server
 per pytest process (a "zygote", as Android and multiprocessing's forkserver do it) pays those imports once; every
@@ -9,9 +9,10 @@ its own environment, stdout and stderr), with torchrun's rank variables when ask
 before: separate processes, gloo over TCP, files on disk; only the launcher differs.
 
 What a fork does not give, and so the real launcher stays in use where it matters: each rank has the server's
-hash seed (torchrun's ranks each draw one), and torchrun itself is not exercised (test_launch_torchrun_ray.py runs
-it, as the trainer does). HYBRIDFLOW_TEST_LAUNCHER=subprocess runs every group as fresh interpreters instead (the
-old way: torch.distributed.run, or plain `python`), to tell a launcher problem from a code problem.
+hash seed (torchrun's ranks each draw one; `random` and numpy are reseeded per rank), and torchrun itself is not
+exercised (test_launch_torchrun_ray.py runs it, as the trainer does). HYBRIDFLOW_TEST_LAUNCHER=subprocess runs
+every group as fresh interpreters instead (the old way: torch.distributed.run, or plain `python`), to tell a
+launcher problem from a code problem.
 
 Used as `run_group` / `torchrun` by the tests; run as `python rank_launch.py --serve` by run_group itself.
 """
@@ -311,6 +312,8 @@ def _become(proc: dict, cwd: str) -> None:
     first = os.getcwd() if module else os.path.dirname(script)
     sys.path[:] = [first, *extra, *[p for p in sys.path[1:] if p not in extra]]
     sys.argv = [module or script, *argv[2 if module else 1:]]
+    if "numpy" in sys.modules:  # as in a fresh interpreter, numpy's global stream is the process's own (random
+        sys.modules["numpy"].random.seed()  # reseeds itself at fork; the hash seed cannot be redrawn)
     code = 0
     try:
         if module:

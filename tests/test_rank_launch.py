@@ -18,7 +18,8 @@ import rank_launch
 from rank_launch import Proc, run_group, torchrun
 
 RANK_SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import json, os, random, sys
+    import numpy
     import torch
     import torch.distributed as dist
 
@@ -28,7 +29,8 @@ RANK_SCRIPT = textwrap.dedent("""
     print(json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(), "argv": sys.argv,
                       "path0": sys.path[0], "name": __name__, "local_world": os.environ["LOCAL_WORLD_SIZE"],
                       "omp": os.environ["OMP_NUM_THREADS"], "marker": os.environ.get("MARKER"),
-                      "preloaded": "megatron.core" in sys.modules, "cwd": os.getcwd()}))
+                      "preloaded": "megatron.core" in sys.modules, "cwd": os.getcwd(),
+                      "draws": [random.getrandbits(30), int(numpy.random.randint(1 << 30))]}))
     print(f"rank {dist.get_rank()} says hello on stderr", file=sys.stderr)
     dist.destroy_process_group()
 """)
@@ -59,6 +61,9 @@ def test_forked_ranks_see_what_torchrun_gives_them(script, tmp_path):
         # the point of the launcher: the ranks start with megatron already imported (the yardstick below does not)
         assert x["preloaded"] is True
     assert all(f"rank {i} says hello on stderr" in r.stderr for i in range(3))
+    # each rank's random and numpy streams are its own, as in fresh interpreters (not the server's, copied)
+    draws = [x["draws"][k] for k in (0, 1) for x in rows]
+    assert len(set(draws)) == len(draws), draws
 
 
 @pytest.mark.slow
