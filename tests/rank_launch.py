@@ -1,6 +1,6 @@
 """Process groups for the tests, forked from one process that has already imported torch, megatron and vLLM.
 
-Why: the multi-process tests (torchrun-style rank groups of 1-4 processes) run a few seconds of work
+Why: the multi-process tests (torchrun-style rank groups, the cross-pool pools) run a few seconds of work
 per process, and each fresh interpreter first spends ~4-9 s of CPU importing torch, megatron.core, vLLM and
 transformers (docs/index.md, "The tests"); torchrun's own launcher imports torch again. Here a long-lived server
 per pytest process (a "zygote", as Android and multiprocessing's forkserver do it) pays those imports once; every
@@ -20,6 +20,7 @@ Used as `run_group` / `torchrun` by the tests; run as `python rank_launch.py --s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -33,17 +34,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# What every group's processes import anyway; megatron_workers first, so its lean import hook covers megatron.core.
-PRELOAD = ("torch", "torch.distributed", "megatron_workers", "megatron.core", "megatron.core.parallel_state",
-           "vllm", "transformers", "safetensors.torch")
+# What a group's processes import anyway, by profile (one server each, started when first asked for):
+# megatron_workers first, so its lean import hook covers megatron.core. "megatron" and "vllm" are for processes
+# that must not import the other (test_cross_pool_sync.py's two pools check exactly that).
+PRELOADS = {
+    "all": ("torch", "torch.distributed", "megatron_workers", "megatron.core", "megatron.core.parallel_state",
+            "vllm", "transformers", "safetensors.torch"),
+    "megatron": ("torch", "torch.distributed", "megatron_workers", "megatron.core", "megatron.core.parallel_state",
+                 "transformers", "safetensors.torch"),
+    "vllm": ("torch", "torch.distributed", "vllm", "transformers", "safetensors.torch"),
+    "torch": ("torch", "torch.distributed"),
+}
 SERVER_START_TIMEOUT_S = 300  # the preload takes ~10 s of CPU on a loaded 2-core box; far more means it hung
 
 
 @dataclass
 class Proc:
-    """One process of a group: `python argv[0] argv[1:]` with this environment."""
+    """One process of a group: `python argv[0] argv[1:]` with this environment, forked from the server that
+    preloaded PRELOADS[preload]."""
     argv: list[str]
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    preload: str = "all"
 
 
 @dataclass
@@ -59,55 +70,66 @@ def _fresh_interpreters() -> bool:
 
 # ---- the client (in the pytest process) ---------------------------------------------------------------------------
 
-_server: subprocess.Popen | None = None
-_server_log: Path | None = None
+class _Server:
+    """One launch server (a child of this process) and the bytes read from it past the last whole line."""
+
+    def __init__(self, profile: str):
+        self.profile, self.pending = profile, b""
+        self.log = Path(tempfile.mkstemp(prefix=f"rank_launch_{profile}_", suffix=".log")[1])
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        with open(self.log, "w") as log:
+            self.popen = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", profile],
+                                          cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=log, text=True, bufsize=1)
+        atexit.register(self.stop)
+        ready = self.read_line(SERVER_START_TIMEOUT_S)
+        if ready is None or json.loads(ready).get("ready") is not True:
+            self.stop()
+            raise RuntimeError(f"the rank-launch server ({profile}) did not start (rc={self.popen.poll()}):\n"
+                               f"{self.tail()}")
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+    def send(self, request: dict) -> None:
+        self.popen.stdin.write(json.dumps(request) + "\n")
+        self.popen.stdin.flush()
+
+    def read_line(self, timeout: float) -> str | None:
+        """The next line, or None when `timeout` passes or the server dies first. Reads the pipe's fd itself: a
+        buffered reader could hold the next line where select() cannot see it."""
+        deadline = time.monotonic() + max(timeout, 0)
+        fd = self.popen.stdout.fileno()
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return line.decode()
+
+
+_servers: dict[str, _Server] = {}
 _lock = threading.Lock()
 
 
-def _start_server() -> subprocess.Popen:
-    global _server, _server_log, _pending
-    if _server is not None and _server.poll() is None:
-        return _server
-    _server_log = Path(tempfile.mkstemp(prefix="rank_launch_server_", suffix=".log")[1])
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    with open(_server_log, "w") as log:
-        _server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], cwd=REPO, env=env,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
-    _pending = b""
-    atexit.register(_stop_server, _server)
-    ready = _read_line(_server, SERVER_START_TIMEOUT_S)
-    if ready is None or json.loads(ready).get("ready") is not True:
-        _server.kill()
-        raise RuntimeError(f"the rank-launch server did not start (rc={_server.poll()}):\n"
-                           f"{_server_log.read_text()[-4000:]}")
-    return _server
-
-
-def _stop_server(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        server.kill()
-        server.wait()
-
-
-_pending = b""  # bytes read from the server past the last whole line
-
-
-def _read_line(server: subprocess.Popen, timeout: float) -> str | None:
-    """The server's next line, or None when `timeout` passes or it dies first. Reads the pipe's fd itself: a
-    buffered reader could hold the next line where select() cannot see it."""
-    global _pending
-    deadline = time.monotonic() + max(timeout, 0)
-    fd = server.stdout.fileno()
-    while b"\n" not in _pending:
-        ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
-        if not ready:
-            return None
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return None
-        _pending += chunk
-    line, _, _pending = _pending.partition(b"\n")
-    return line.decode()
+def _server(profile: str) -> _Server:
+    if profile not in PRELOADS:
+        raise ValueError(f"preload profile {profile!r}: expected one of {sorted(PRELOADS)}")
+    if profile not in _servers or not _servers[profile].alive():
+        _servers[profile] = _Server(profile)
+    return _servers[profile]
 
 
 def run_group(procs: list[Proc], cwd: Path | str = REPO, timeout: float = 300, grace: float = 15) -> list[Result]:
@@ -133,25 +155,48 @@ def _read(path: Path) -> str:
 
 
 def _run_forked(procs, outs, cwd, timeout, grace) -> tuple[list[int], bool]:
+    """One request per preload profile in the group, all started before any is waited for; the grace and the
+    timeout then span the servers as they span one server's processes."""
+    by_profile: dict[str, list[int]] = {}
+    for i, p in enumerate(procs):
+        by_profile.setdefault(p.preload, []).append(i)
+    rcs: list[int | None] = [None] * len(procs)
     with _lock:
-        server = _start_server()
-        request = {"procs": [{"argv": [str(a) for a in p.argv], "env": p.env, "out": str(o), "err": str(e)}
-                             for p, (o, e) in zip(procs, outs)],
-                   "cwd": str(cwd), "grace": grace}
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
-        started = _read_line(server, 60)
-        if started is None:
-            raise RuntimeError(f"the rank-launch server died:\n{_server_log.read_text()[-4000:]}")
-        pgid = json.loads(started)["pgid"]
-        done = _read_line(server, timeout)
-        timed_out = done is None and server.poll() is None
-        if timed_out:
-            os.killpg(pgid, signal.SIGKILL)
-            done = _read_line(server, 30)
-        if done is None:
-            raise RuntimeError(f"the rank-launch server died:\n{_server_log.read_text()[-4000:]}")
-        rcs = json.loads(done)["rcs"]
+        running: dict[str, int] = {}  # profile -> its group's process group id
+        for profile, idx in by_profile.items():
+            server = _server(profile)
+            server.send({"procs": [{"argv": [str(a) for a in procs[i].argv], "env": procs[i].env,
+                                    "out": str(outs[i][0]), "err": str(outs[i][1])} for i in idx],
+                         "cwd": str(cwd), "grace": grace})
+            started = server.read_line(60)
+            if started is None:
+                raise RuntimeError(f"the rank-launch server ({profile}) died:\n{server.tail()}")
+            running[profile] = json.loads(started)["pgid"]
+        deadline, failed_at, killed_at, timed_out = time.monotonic() + timeout, None, None, False
+        while running:
+            for profile in list(running):
+                server = _servers[profile]
+                done = server.read_line(0.05 if len(running) > 1 else 0.5)
+                if done is None and not server.alive():
+                    raise RuntimeError(f"the rank-launch server ({profile}) died:\n{server.tail()}")
+                if done is not None:
+                    del running[profile]
+                    for i, rc in zip(by_profile[profile], json.loads(done)["rcs"]):
+                        rcs[i] = -9 if rc is None else rc
+                    if failed_at is None and any(rcs[i] != 0 for i in by_profile[profile]):
+                        failed_at = time.monotonic()
+            now = time.monotonic()
+            if not running:
+                break
+            if killed_at is None:
+                timed_out = now > deadline
+                if timed_out or (failed_at is not None and now - failed_at > grace):
+                    for pgid in running.values():  # each whole group: leader, processes and theirs
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(pgid, signal.SIGKILL)
+                    killed_at = now
+            elif now - killed_at > 30:  # the servers reap and answer at once after a kill
+                raise RuntimeError(f"the rank-launch servers {sorted(running)} did not answer after a kill")
     return [-9 if rc is None else rc for rc in rcs], timed_out
 
 
@@ -223,7 +268,7 @@ def torchrun(script: Path | str, nproc: int, args: list[str], env: dict[str, str
 
 # ---- the server (a process of its own) ----------------------------------------------------------------------------
 
-def _serve() -> None:
+def _serve(profile: str) -> None:
     """Preload, say ready, then one group per request line: fork a leader (its own process group, so the client
     can kill the whole group at a timeout), which forks the processes and reports their codes."""
     import gc
@@ -231,11 +276,11 @@ def _serve() -> None:
 
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # a stray print from an import must not corrupt the protocol
-    for name in PRELOAD:
+    for name in PRELOADS[profile]:
         importlib.import_module(name)
     gc.freeze()  # the preloaded objects never move to a collected generation, so forks keep sharing their pages
     _become_subreaper()
-    proto.write(json.dumps({"ready": True, "preloaded": list(PRELOAD)}) + "\n")
+    proto.write(json.dumps({"ready": True, "preloaded": list(PRELOADS[profile])}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
         results = tempfile.mkstemp(prefix="rank_launch_rcs_")[1]
@@ -347,5 +392,5 @@ def _become(proc: dict, cwd: str) -> None:
     os._exit(code)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
-    _serve()
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
+    _serve(sys.argv[2])

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,30 +25,19 @@ def run_all(cmds: list[list[str]], timeout: float, grace: float = 15) -> list[tu
 
     A process that fails leaves its peers waiting on it: they get `grace` seconds to fail on their own (their
     errors name what they waited for), then are killed, so a failure costs seconds rather than the whole timeout
-    and every process's output is returned (the first to fail is usually the one that tells why)."""
+    and every process's output is returned (the first to fail is usually the one that tells why).
+
+    The processes are forks of the tests' launch servers (tests/rank_launch.py), each from one that preloaded only
+    what its role imports: the training pool megatron (never vLLM), the rollout pool vLLM (never megatron), the
+    transport check torch; so the import checks below still see each pool's own imports."""
+    from rank_launch import Proc, run_group
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    logs = [tempfile.TemporaryFile("w+") for _ in cmds]  # files, not pipes: nothing blocks on a full pipe
-    procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
-             for c, f in zip(cmds, logs)]
-    deadline, failed_at = time.monotonic() + timeout, None
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > grace:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = []
-    for p, f in zip(procs, logs):
-        f.seek(0)
-        results.append((p.returncode, f.read()))
-        f.close()
-    return results
+    procs = [Proc(c[1:], env, preload=PRELOAD_OF_ROLE.get(c[2], "torch")) for c in cmds]
+    return [(r.returncode, r.stdout + r.stderr) for r in run_group(procs, ROOT, timeout, grace)]
+
+
+PRELOAD_OF_ROLE = {"train": "megatron", "rollout": "vllm"}
 
 
 def failures(cmds: list[list[str]], results: list[tuple[int, str]]) -> str:

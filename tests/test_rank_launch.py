@@ -114,7 +114,7 @@ def test_a_hung_group_is_killed_at_the_timeout_and_the_server_goes_on(tmp_path):
     ok = tmp_path / "ok.py"
     ok.write_text("print('still serving')\n")
     assert run_group([Proc([str(ok)])], cwd=tmp_path, timeout=60)[0].stdout == "still serving\n"
-    assert rank_launch._server is not None and rank_launch._server.poll() is None
+    assert rank_launch._servers["all"].alive()
 
 
 def test_python_dash_m_runs_a_module(tmp_path):
@@ -125,3 +125,19 @@ def test_python_dash_m_runs_a_module(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     (result,) = run_group([Proc(["-m", "pkg_for_launch.tool", "x"], env)], cwd=tmp_path, timeout=60)
     assert result.returncode == 0 and result.stdout == "tool ['x']\n", result.stderr[-2000:]
+
+
+def test_a_group_across_two_preload_profiles_fails_as_one(tmp_path):
+    """A process forked from the torch-only server fails; its peer on the full server is killed after the grace,
+    and each saw only its own server's preloads."""
+    fail, hang = tmp_path / "fail.py", tmp_path / "hang.py"
+    fail.write_text("import sys\nprint('vllm' in sys.modules, flush=True)\nsys.exit(4)\n")
+    hang.write_text("import sys, time\nprint('vllm' in sys.modules, flush=True)\ntime.sleep(600)\n")
+    start = time.monotonic()
+    results = run_group([Proc([str(fail)], preload="torch"), Proc([str(hang)], preload="all")], cwd=tmp_path,
+                        timeout=120, grace=1)
+    assert time.monotonic() - start < 60
+    assert [r.returncode for r in results] == [4, -9]
+    assert [r.stdout for r in results] == ["False\n", "True\n"]
+    with pytest.raises(ValueError, match="preload profile 'nope'"):
+        run_group([Proc([str(fail)], preload="nope")], cwd=tmp_path)
