@@ -253,8 +253,7 @@ def torchrun(script: Path | str, nproc: int, args: list[str], env: dict[str, str
         port = master_port or free_port()
         cmd = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
                f"--master-port={port}", str(script), *map(str, args)]
-        r = run_group([Proc(cmd, base)], cwd, timeout)[0]
-        return r
+        return run_group([Proc(cmd, base)], cwd, timeout)[0]
     port = str(master_port or free_port())
     procs = [Proc([str(script), *map(str, args)],
                   {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
@@ -287,12 +286,13 @@ def _serve(profile: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         leader = os.fork()
-        if leader == 0:
-            proto.close()
-            os.setpgid(0, 0)
-            rcs = _lead(request)
-            Path(results).write_text(json.dumps(rcs))
-            os._exit(0)
+        if leader == 0:  # never returns to this loop: an error here must not leave a second server reading stdin
+            try:
+                proto.close()
+                os.setpgid(0, 0)
+                Path(results).write_text(json.dumps(_lead(request)))
+            finally:
+                os._exit(0)  # an empty results file reads as "every process killed"
         proto.write(json.dumps({"pgid": leader}) + "\n")
         _, status = os.waitpid(leader, 0)
         _reap_group(leader, killed=os.waitstatus_to_exitcode(status) < 0)
@@ -333,10 +333,16 @@ def _lead(request: dict) -> list[int | None]:
     for proc in request["procs"]:
         pid = os.fork()
         if pid == 0:
-            _become(proc, request["cwd"])  # never returns
+            try:
+                _become(proc, request["cwd"])  # exits with the script's code
+            except BaseException:  # before the script started (e.g. a cwd that does not exist): say why, exit 1
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(1)
         pids.append(pid)
-    rcs = _wait_all(pids, float("inf"), request["grace"])
-    return rcs
+    return _wait_all(pids, float("inf"), request["grace"])
 
 
 def _become(proc: dict, cwd: str) -> None:

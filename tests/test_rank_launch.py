@@ -97,6 +97,11 @@ def test_an_uncaught_exception_is_exit_code_1_with_its_traceback(tmp_path):
     bad.write_text("def f():\n    raise ValueError('the bad input')\nf()\n")
     (result,) = run_group([Proc([str(bad)])], cwd=tmp_path, timeout=60)
     assert result.returncode == 1 and "ValueError: the bad input" in result.stderr and "Traceback" in result.stderr
+    # failing before the script starts is exit code 1 with the reason too, and the server serves on
+    (result,) = run_group([Proc([str(bad)])], cwd=tmp_path / "missing", timeout=60)
+    assert result.returncode == 1 and "FileNotFoundError" in result.stderr and "missing" in result.stderr
+    (result,) = run_group([Proc([str(bad)])], cwd=tmp_path, timeout=60)
+    assert result.returncode == 1 and "ValueError: the bad input" in result.stderr
 
 
 def test_a_hung_group_is_killed_at_the_timeout_and_the_server_goes_on(tmp_path):
