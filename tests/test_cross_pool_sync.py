@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests/reshard_scripts"
 
 
+# Which launch server a process forks from (tests/rank_launch.py, PRELOADS): each pool preloads only its own side.
+PRELOAD_OF_ROLE = {"train": "megatron", "rollout": "vllm"}
+
+
 def run_all(cmds: list[list[str]], timeout: float, grace: float = 15) -> list[tuple[int, str]]:
     """Start every process at once (the pools rendezvous with each other); (returncode, output) of each.
 
@@ -35,9 +39,6 @@ def run_all(cmds: list[list[str]], timeout: float, grace: float = 15) -> list[tu
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [Proc(c[1:], env, preload=PRELOAD_OF_ROLE.get(c[2], "torch")) for c in cmds]
     return [(r.returncode, r.stdout + r.stderr) for r in run_group(procs, ROOT, timeout, grace)]
-
-
-PRELOAD_OF_ROLE = {"train": "megatron", "rollout": "vllm"}
 
 
 def failures(cmds: list[list[str]], results: list[tuple[int, str]]) -> str:
