@@ -6,12 +6,10 @@ Kept free of megatron imports so pytest can use it without paying megatron's imp
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
 PARITY_WORKER = Path(__file__).resolve().parent / "parity_worker.py"
 
 
@@ -122,17 +120,17 @@ def hf_grad_norm(model_dir, input_ids, attention_mask) -> tuple[float, float]:
 
 
 def run_parity_worker(nproc: int, out: Path, *args: str, timeout: int = 120) -> dict:
-    """parity_worker.py as torchrun would run it on `nproc` local ranks (forked from the preloaded launch server,
+    """parity_worker.py on `nproc` local ranks through train_common.run_torchrun (the preloaded launch server,
     tests/rank_launch.py); its JSON result (pytest.fail with the workers' output tail if it fails)."""
     import pytest
-    from rank_launch import torchrun
+    from train_common import run_torchrun
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    proc = torchrun(PARITY_WORKER, nproc, ["--out", str(out), *args], env=env, cwd=REPO, timeout=timeout)
-    if proc.returncode != 0 or not out.is_file():
-        tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if "Warning" not in line)[-6000:]
-        pytest.fail(f"worker failed (rc={proc.returncode}):\n{tail}")
+    try:
+        run_torchrun(PARITY_WORKER.name, nproc, ["--out", str(out), *args], timeout=timeout)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    if not out.is_file():
+        pytest.fail(f"parity_worker.py x{nproc} exited 0 without writing {out}")
     return json.loads(out.read_text())
 
 
