@@ -66,6 +66,19 @@ def test_layout_of_a_single_rank(engine):
     assert rollout.rng_kept_at_start, "building the engine changed the process's torch RNG state"
 
 
+def test_on_cpu_generation_compiles_nothing(engine, tok):
+    # vLLM's token-rank kernel is torch.compile'd; compiling it was a whole first `gen` step on CPU (eager_token_ranks).
+    import vllm.v1.sample.sampler as sampler
+    from torch._dynamo.utils import counters
+
+    rollout, _, _ = engine
+    assert not hasattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable")
+    frames = sum(counters["frames"].values())
+    out = rollout.generate_sequences(make_prompts(tok, meta_info={"n": 2, "temperature": 1.0}))
+    assert "rollout_log_probs" in out.batch
+    assert sum(counters["frames"].values()) == frames, "a generation compiled a frame with torch.compile"
+
+
 def test_greedy_tokens_equal_hf_and_log_probs_match_teacher_forcing(engine, tok):
     rollout, hf, _ = engine
     prompts = make_prompts(tok, meta_info={"do_sample": False})

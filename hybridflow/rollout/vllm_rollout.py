@@ -157,6 +157,8 @@ class VLLMRollout(Rollout):
         finally:
             torch.set_num_threads = original_set_num_threads
         self.engine_start_s = time.perf_counter() - start
+        if not on_gpu:
+            eager_token_ranks()
 
         import torch.distributed as dist
         from vllm.distributed import parallel_state
@@ -393,6 +395,24 @@ class VLLMRollout(Rollout):
         if llm is not None:
             llm.llm_engine.engine_core._finalizer()  # the group-keeping teardown installed at start
             del llm
+
+
+def eager_token_ranks() -> bool:
+    """Makes vLLM's sampler count each sampled token's rank eagerly; True when it swapped the compiled kernel.
+
+    vLLM counts ranks with `batched_count_greater_than`, a torch.compile'd `(x >= v).sum(-1)`, compiled by
+    inductor (C++ through g++) at a process's first generation. On CPU that compile was the whole of a tiny run's
+    first `gen`: 21.0 s against 0.3 s for the second step (colocated PPO, two ranks compiling on two cores), 2.2 s
+    alone with a warm inductor cache, 0.26 s eager (measured on the 2-core AVX2 box). The compile saves a
+    [tokens, vocab] bool temporary, which a CPU's memory affords; on GPU it stays compiled. Same function, same
+    integers: only when it runs compiled changes."""
+    import vllm.v1.sample.sampler as sampler
+
+    eager = getattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable", None)
+    if eager is None:  # already swapped, or vLLM no longer compiles it
+        return False
+    sampler.batched_count_greater_than = eager
+    return True
 
 
 @contextlib.contextmanager
