@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -58,21 +59,41 @@ def built_once(tmp_path_factory, name: str, build):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    """A real local Ray cluster shared by every test of this pytest process that needs one (starting one costs
-    7-16 s); in the pairs phase each xdist worker has its own, beside the trainer runs' own clusters."""
+def local_ray() -> str:
+    """The address of this pytest process's local Ray cluster, started on first use (7-16 s).
+
+    Its users: the tests on `ray_cluster`, and every trainer run started through test_e2e_trainer._run, which joins
+    it (trainer.ray.address) instead of starting a cluster of its own. Only pairs-phase tests do either, so at most
+    two clusters run at a time, one per xdist worker, as before. A joined run is the same job: the driver and its
+    workers are fresh processes, the placement groups its own, torn down when it ends (what joining leaves out is
+    the cluster's start-up, the run's ray temp dir, and the local-only settings, tested by the runs that keep
+    their own: test_fault.py, observed_run, test_security.py)."""
+    import shutil
+    import tempfile
+
     import ray
 
     from hybridflow.controller import init_ray
 
-    # Ray workers import test helper modules (tests/ray_workers.py) by name.
-    pythonpath = os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")])
-    os.environ["PYTHONPATH"] = pythonpath
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    init_ray(num_cpus=16, object_store_memory=1024**3, run_dir=tmp_path_factory.mktemp("ray_run"),
-             env_vars={"PYTHONPATH": pythonpath})
+    if not ray.is_initialized():
+        # Ray workers import test helper modules (tests/ray_workers.py) by name.
+        pythonpath = os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")])
+        os.environ["PYTHONPATH"] = pythonpath
+        if str(TESTS) not in sys.path:
+            sys.path.insert(0, str(TESTS))
+        run_dir = tempfile.mkdtemp(prefix="hf_test_ray_")
+        atexit.register(shutil.rmtree, run_dir, True)  # before ray.init's own atexit shutdown, so it runs after it
+        init_ray(num_cpus=16, object_store_memory=1024**3, run_dir=run_dir, env_vars={"PYTHONPATH": pythonpath})
+    return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster shared by every test of this pytest process that needs one (local_ray); in the
+    pairs phase each xdist worker has its own."""
+    import ray
+
+    local_ray()
     yield ray
     ray.shutdown()
 
@@ -158,11 +179,12 @@ def server_run(warm_assets, tmp_path_factory):
 # with (phase_of):
 #  - parallel (`-n 2 --phase parallel`): units, single-process model tests, torchrun/vLLM process groups, whose
 #    rendezvous ports come from hybridflow/ports.py and whose vLLM shm segments are named per job;
-#  - pairs (`-n 2 --phase pairs`): what starts a local Ray of its own: whole trainer runs, each in a subprocess (the
+#  - pairs (`-n 2 --phase pairs`): what runs on a local Ray: whole trainer runs, each in a subprocess (the
 #    test_e2e_* modules, the shared warm_assets / plain_run / server_run, or marked `own_ray` by hand: a sweep, an
-#    export of a trained run), and the users of `ray_cluster`, one per xdist worker (a session fixture). Ray 2.60
-#    starts a local cluster on ports of its own choosing under its own temp dir, so two clusters coexist; the shared
-#    runs are built once for both workers (built_once);
+#    export of a trained run), and the users of `ray_cluster`. Each xdist worker has one local Ray (local_ray), which
+#    its `ray_cluster` tests use and its trainer runs join; Ray 2.60 starts a local cluster on ports of its own
+#    choosing under its own temp dir, so the two coexist; the shared runs are built once for both workers
+#    (built_once);
 #  - serial (`--phase serial`): one at a time, what a second test could break: the observed run (observed_run: Ray's
 #    own Prometheus export), a simulated multi-node cluster (`cluster`), launchers (test_launch_*: signals,
 #    `ray start`), fault injection (`fault`: kills, deadlines, detection times), and anything marked `serial` by hand

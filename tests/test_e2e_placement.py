@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PLAIN_JOB
+from conftest import PLAIN_JOB, local_ray
 from test_e2e_trainer import REPO, _cmd, _rows, _run
 
 # conftest's plain job (8 prompts, one mini-batch, no saves) without its step count: launch.benchmark sets its own
@@ -80,8 +80,8 @@ def pools_bench(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("pools")
     cmd = [sys.executable, "-m", "launch.benchmark", str(REPO / "configs" / "ppo_tiny_cpu.yaml"), *_job(assets),
            *POOLS, f"trainer.default_local_dir={out / 'run'}", "trainer.logger=[console,jsonl]",
-           "trainer.ray.timeout_s=300", "trainer.ray.object_store_memory=268435456", "--warmup", "1", "--steps", "1",
-           "--out", str(out / "result.json")]
+           "trainer.ray.timeout_s=300", "trainer.ray.object_store_memory=268435456",
+           f"trainer.ray.address={local_ray()}", "--warmup", "1", "--steps", "1", "--out", str(out / "result.json")]
     with open(out / "log", "w") as log, open(out / "stderr", "w") as err:
         proc = subprocess.run(cmd, stdout=log, stderr=err, timeout=600, cwd=REPO)
     assert proc.returncode == 0, (out / "stderr").read_text()[-4000:]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import local_ray
 from test_data import write_verl_gsm8k
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +78,8 @@ def _kill_tree(proc: subprocess.Popen, marker: str) -> None:
 
 
 def _run(cmd: list[str], log: Path, timeout: float = 600) -> None:
+    """Runs a trainer command (_cmd) on this pytest process's local Ray (conftest.local_ray), asserting it passed."""
+    cmd = [*cmd, f"trainer.ray.address={local_ray()}"]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, log.read_text()[-4000:]
