@@ -401,11 +401,11 @@ def eager_token_ranks() -> bool:
     """Makes vLLM's sampler count each sampled token's rank eagerly; True when it swapped the compiled kernel.
 
     vLLM counts ranks with `batched_count_greater_than`, a torch.compile'd `(x >= v).sum(-1)`, compiled by
-    inductor (C++ through g++) at a process's first generation. On CPU that compile was the whole of a tiny run's
-    first `gen`: 21.0 s against 0.3 s for the second step (colocated PPO, two ranks compiling on two cores), 2.2 s
-    alone with a warm inductor cache, 0.26 s eager (measured on the 2-core AVX2 box). The compile saves a
-    [tokens, vocab] bool temporary, which a CPU's memory affords; on GPU it stays compiled. Same function, same
-    integers: only when it runs compiled changes."""
+    inductor (C++ through g++) at a process's first generation. On CPU that compile was most of a tiny run's first
+    step (2-step colocated PPO on the 2-core AVX2 box: 5.5 s against 2.2 s eager with a warm inductor cache; with a
+    cold one the first `gen` took 21 s against 0.3 s for the second). The compile saves a [tokens, vocab] bool
+    temporary, which a CPU's memory affords; on GPU it stays compiled. The same function on the same tensors: only
+    whether it runs compiled changes."""
     import vllm.v1.sample.sampler as sampler
 
     eager = getattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable", None)
