@@ -65,9 +65,9 @@ def local_ray() -> str:
     Its users: the tests on `ray_cluster`, and every trainer run started through test_e2e_trainer._run, which joins
     it (trainer.ray.address) instead of starting a cluster of its own. Only pairs-phase tests do either, so at most
     two clusters run at a time, one per xdist worker, as before. A joined run is the same job: the driver and its
-    workers are fresh processes, the placement groups its own, torn down when it ends (what joining leaves out is
-    the cluster's start-up, the run's ray temp dir, and the local-only settings, tested by the runs that keep
-    their own: test_fault.py, observed_run, test_security.py)."""
+    workers are fresh processes, the placement groups its own, torn down when it ends. What joining leaves out (a
+    run's own cluster start, its ray temp dir, the local-only settings) the runs that keep their own cluster test:
+    test_fault.py's killed and restarted runs, the observed run, the sweep."""
     import shutil
     import tempfile
 

@@ -67,7 +67,8 @@ def test_layout_of_a_single_rank(engine):
 
 
 def test_on_cpu_generation_compiles_nothing(engine, tok):
-    # vLLM's token-rank kernel is torch.compile'd; compiling it was a whole first `gen` step on CPU (eager_token_ranks).
+    # vLLM's token-rank kernel is torch.compile'd; compiling it was most of a run's first step on CPU
+    # (hybridflow/rollout/vllm_rollout.py, eager_token_ranks).
     import vllm.v1.sample.sampler as sampler
     from torch._dynamo.utils import counters
 
