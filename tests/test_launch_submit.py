@@ -65,6 +65,29 @@ def test_several_nodes_need_a_cluster_address():
     validate_cluster(load_config(None, ["trainer.nnodes=2", "trainer.ray.address=auto"]))  # joining: fine
 
 
+@pytest.mark.bad_input
+def test_a_cluster_address_where_nothing_answers_is_named_at_once():
+    # ray.init would retry such an address for minutes; the check fails before anything starts.
+    import socket
+    import time
+
+    from hybridflow.config.load import load_config
+    from hybridflow.trainer.main import validate_cluster
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        validate_cluster(load_config(None, [f"trainer.ray.address=127.0.0.1:{port}"]))  # it answers: fine
+    start = time.monotonic()
+    address = f"127.0.0.1:{port}"
+    with pytest.raises(ValueError, match=rf"trainer.ray.address='{address}': nothing answers at {address}"):
+        validate_cluster(load_config(None, [f"trainer.ray.address={address}"]))
+    assert time.monotonic() - start < 5
+    with pytest.raises(ValueError, match=r"trainer.ray.address='headnode': expected auto or host:port"):
+        validate_cluster(load_config(None, ["trainer.ray.address=headnode"]))
+
+
 def test_progress_without_a_terminal_is_one_line_per_step():
     out = io.StringIO()
     bar = StepLines("demo", total=3, initial=1, stream=out)

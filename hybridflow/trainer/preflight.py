@@ -461,9 +461,29 @@ def _validate_reward_model(cfg: HybridFlowConfig, place, actor_hf: dict) -> None
         raise ValueError(f"reward_model.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must be >= 1")
 
 
-def validate_cluster(cfg: HybridFlowConfig) -> None:
-    """Without trainer.ray.address the trainer starts a one-machine cluster, which cannot hold several nodes."""
-    if not cfg.trainer.ray.address and cfg.trainer.nnodes > 1:
+def validate_cluster(cfg: HybridFlowConfig, connect_timeout_s: float = 10.0) -> None:
+    """Without trainer.ray.address the trainer starts a one-machine cluster, which cannot hold several nodes; with a
+    host:port one, something must answer there (within connect_timeout_s)."""
+    address = cfg.trainer.ray.address
+    if not address and cfg.trainer.nnodes > 1:
         raise ValueError(f"trainer.nnodes={cfg.trainer.nnodes} needs a multi-node Ray cluster: set "
                          "trainer.ray.address (auto, or host:port) or trainer.nnodes=1")
+    if address and address != "auto" and "://" not in address:
+        _gcs_answers(address, connect_timeout_s)
+
+
+def _gcs_answers(address: str, timeout_s: float) -> None:
+    """A TCP connect to the cluster's GCS port. Why: ray.init retries a GCS that is not there for many minutes
+    (measured: over 10 on Ray 2.60, a port nothing listened on), and trainer.ray.timeout_s does not bound it."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"trainer.ray.address={address!r}: expected auto or host:port (the head's GCS, as "
+                         "`ray start --head` prints it)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()  # [::1]:6379 too
+    except OSError as e:
+        raise ValueError(f"trainer.ray.address={address!r}: nothing answers at {host}:{port} ({e}); start the "
+                         "cluster (`ray start --head`) or fix the address") from None
 
