@@ -1,4 +1,4 @@
-"""Free listen ports for rendezvous stores, gloo groups and local Ray daemons.
+"""Free listen ports for rendezvous stores, gloo groups and local Ray daemons; and whether a HOST:PORT answers.
 
 A port is probed free here and bound by its server a moment later, often by another process. The kernel hands out
 its ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default) both to bind(port 0) and to
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import socket
+import time
 
 _BELOW = 12_000  # how many ports under the ephemeral range to draw from
 _LOWEST = 20_000  # and never under this: Ray's worker ports (10002-19999 by default), Ray's own (6379, 8265) and the
@@ -64,3 +65,35 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"Ray address {address!r} must be HOST:PORT")
+    return host, int(port)
+
+
+def connect_within(host: str, port: int, timeout_s: float, refused_s: float | None = None) -> OSError | None:
+    """Retry a TCP connect to host:port every 0.5 s until it succeeds (None) or `timeout_s` passes (the last
+    error). A refused connection, i.e. a host that answers with nothing on the port, is retried only for
+    `refused_s` when given (a head restarting), while silence is retried up to timeout_s.
+
+    The one probe behind every "is the head/dashboard there" check (launch/, and the trainer's check of
+    trainer.ray.address), so each fails in seconds with an error naming the address instead of after Ray's own
+    minutes of reconnect attempts."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return None
+        except ConnectionRefusedError as e:
+            last = e
+            if refused_s is not None and time.monotonic() - t0 > refused_s:
+                return last
+        except OSError as e:
+            last = e
+        if time.monotonic() + 0.5 > deadline:
+            return last
+        time.sleep(0.5)

@@ -25,7 +25,7 @@ import sys
 import time
 from urllib.parse import urlparse
 
-from launch.cluster.net import connect_within
+from hybridflow.ports import connect_within
 
 # Never uploaded: outputs, the venv, VCS data and caches (gitignore syntax, relative to the working dir).
 EXCLUDES = ["runs/", ".venv/", ".git/", "__pycache__/", "*.pyc", ".pytest_cache/", ".ruff_cache/", ".mypy_cache/",

@@ -475,15 +475,14 @@ def validate_cluster(cfg: HybridFlowConfig, connect_timeout_s: float = 10.0) -> 
 def _gcs_answers(address: str, timeout_s: float) -> None:
     """A TCP connect to the cluster's GCS port. Why: ray.init retries a GCS that is not there for many minutes
     (measured: over 10 on Ray 2.60, a port nothing listened on), and trainer.ray.timeout_s does not bound it."""
-    import socket
+    from hybridflow.ports import connect_within, split_address
 
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"trainer.ray.address={address!r}: expected auto or host:port (the head's GCS, as "
-                         "`ray start --head` prints it)")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()  # [::1]:6379 too
-    except OSError as e:
-        raise ValueError(f"trainer.ray.address={address!r}: nothing answers at {host}:{port} ({e}); start the "
-                         "cluster (`ray start --head`) or fix the address") from None
-
+        host, port = split_address(address)
+    except ValueError:
+        raise ValueError(f"trainer.ray.address={address!r}: expected auto or host:port (the head's GCS, as "
+                         "`ray start --head` prints it)") from None
+    error = connect_within(host.strip("[]"), port, timeout_s, refused_s=0.0)  # [::1]:6379 too
+    if error is not None:
+        raise ValueError(f"trainer.ray.address={address!r}: nothing answers at {host}:{port} ({error}); start the "
+                         "cluster (`ray start --head`) or fix the address")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
-import time
+
+from hybridflow.ports import connect_within, split_address  # the probe, shared with the trainer's checks
 
 
 def resolve_ipv4(name: str) -> str:
@@ -63,37 +64,6 @@ def port_in_use(ip: str, port: int) -> bool:
                 return True
             raise
     return False
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"Ray address {address!r} must be HOST:PORT")
-    return host, int(port)
-
-
-def connect_within(host: str, port: int, timeout_s: float, refused_s: float | None = None) -> OSError | None:
-    """Retry a TCP connect to host:port every 0.5 s until it succeeds (None) or `timeout_s` passes (the last
-    error). A refused connection, i.e. a host that answers with nothing on the port, is retried only for
-    `refused_s` when given (a head restarting), while silence is retried up to timeout_s.
-
-    The one probe behind every "is the head/dashboard there" check of launch/, so each fails in seconds with an
-    error naming the address instead of after Ray's own minute of reconnect attempts."""
-    t0 = time.monotonic()
-    deadline = t0 + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-                return None
-        except ConnectionRefusedError as e:
-            last = e
-            if refused_s is not None and time.monotonic() - t0 > refused_s:
-                return last
-        except OSError as e:
-            last = e
-        if time.monotonic() + 0.5 > deadline:
-            return last
-        time.sleep(0.5)
 
 
 def wait_reachable(address: str, timeout_s: float) -> None:

@@ -11,7 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
-from launch.cluster.net import connect_within
+from hybridflow.ports import connect_within
 
 from .agent import NodeAgent
 from .plan import (
