@@ -347,19 +347,24 @@ def _lead(request: dict) -> list[int | None]:
 
 def _become(proc: dict, cwd: str) -> None:
     """In a fresh fork: turn into `python argv...` with its own env and outputs, run it, exit with its code."""
-    import runpy
-
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(os.open(proc["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
     os.dup2(os.open(proc["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
     os.chdir(cwd)
+    run_as_main(proc["argv"], proc["env"])
+
+
+def run_as_main(argv: list[str], env: dict[str, str]) -> None:
+    """In a fresh fork, with its outputs and working directory in place: become `python argv...` with this
+    environment, run it and exit with its code (tests/ray_zygote.py's Ray workers come through here too)."""
+    import runpy
+
     os.environ.clear()
-    os.environ.update(proc["env"])
-    argv = proc["argv"]
+    os.environ.update(env)
     module = argv[1] if argv[0] == "-m" else None  # `python -m module args`: sys.path[0] is the cwd
     script = None if module else os.path.abspath(argv[0])
-    extra = [p for p in proc["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     first = os.getcwd() if module else os.path.dirname(script)
     sys.path[:] = [first, *extra, *[p for p in sys.path[1:] if p not in extra]]
     sys.argv = [module or script, *argv[2 if module else 1:]]
