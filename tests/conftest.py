@@ -67,7 +67,10 @@ def local_ray() -> str:
     two clusters run at a time, one per xdist worker, as before. A joined run is the same job: the driver and its
     workers are fresh processes, the placement groups its own, torn down when it ends. What joining leaves out (a
     run's own cluster start, its ray temp dir, the local-only settings) the runs that keep their own cluster test:
-    test_fault.py's killed and restarted runs, the observed run, the sweep."""
+    test_fault.py's killed and restarted runs, the observed run, the sweep.
+
+    It also starts the Ray worker zygote (tests/ray_zygote.py) for the runs that join: their workers are forks of
+    one process that imported torch, megatron and vLLM once."""
     import shutil
     import tempfile
 
@@ -84,6 +87,11 @@ def local_ray() -> str:
         run_dir = tempfile.mkdtemp(prefix="hf_test_ray_")
         atexit.register(shutil.rmtree, run_dir, True)  # before ray.init's own atexit shutdown, so it runs after it
         init_ray(num_cpus=16, object_store_memory=1024**3, run_dir=run_dir, env_vars={"PYTHONPATH": pythonpath})
+        # The trainer runs started from here fork their Ray workers from one preloaded process (tests/ray_zygote.py):
+        # from here on this process's environment carries the hook that their drivers' ray.init applies.
+        import ray_zygote
+
+        ray_zygote.start()
     return ray.get_runtime_context().gcs_address
 
 
@@ -96,6 +104,18 @@ def ray_cluster():
     local_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _serial_ray_jobs_fork_their_workers(request):
+    """In the serial phase every Ray job a test starts (a run's own cluster, a launcher's, a simulated multi-node
+    one) forks its workers from the zygote, as the pairs phase's runs do through local_ray."""
+    if request.config.getoption("phase") == "serial":
+        if str(TESTS) not in sys.path:
+            sys.path.insert(0, str(TESTS))
+        import ray_zygote
+
+        ray_zygote.start()
 
 
 @pytest.fixture(scope="session")
