@@ -236,19 +236,22 @@ def test_ray_mode_reaches_rays_own_prometheus_export(ray_cluster):
             "ray_hybridflow_actor_pg_loss": ({"project": "rayproj", "experiment": "rayexp", "role": "actor"}, -0.5),
             "ray_hybridflow_worker_peak_rss_gb": ({"role": "critic", "rank": "1"}, 1.5)}
     deadline, got = time.monotonic() + 90, {}
+    # This cluster is shared (the pairs phase's trainer runs join it and their ranks export the same gauge names),
+    # so wait for these labels' samples, not for the names.
+    matching = lambda name, labels: [v for lab, v in got.get(name, [])
+                                     if all(lab.get(k) == x for k, x in labels.items())]
     try:
         while time.monotonic() < deadline:  # the agent publishes every few seconds
             try:
                 got = _scrape(f"http://127.0.0.1:{port}/metrics", timeout=5)
             except OSError:
                 got = {}
-            if all(name in got for name in want):
+            if all(matching(name, labels) for name, (labels, _) in want.items()):
                 break
             time.sleep(1)
         for name, (labels, value) in want.items():
             assert name in got, f"{name} not in Ray's export after 90 s"
-            matching = [v for lab, v in got[name] if all(lab.get(k) == x for k, x in labels.items())]
-            assert matching == [value], (name, got[name])
+            assert matching(name, labels) == [value], (name, got[name])
     finally:
         ray.kill(rank)
         exporter.close()
