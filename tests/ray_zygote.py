@@ -161,6 +161,10 @@ def _fork_worker(conn, listener, clients) -> int:
     pid = os.fork()
     if pid == 0:
         try:
+            # A process group of its own, as Ray gives each worker it starts: the raylet cleans up after a worker by
+            # killing the worker's group, which would otherwise be the server's (and, without the server's own
+            # session, the pytest process's: a killed worker once took the whole serial phase with it).
+            os.setsid()
             listener.close()
             for other in clients.values():
                 other.close()
@@ -226,7 +230,8 @@ def start(timeout_s: float = 300) -> str | None:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", path], env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
+                            start_new_session=True)
 
     def stop():
         proc.kill()

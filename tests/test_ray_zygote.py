@@ -32,7 +32,7 @@ DRIVER = textwrap.dedent('''
             return {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": "vllm" in sys.modules,
                     "probe": os.environ.get("ZYGOTE_PROBE"), "job": os.environ.get("RAY_JOB_ID"),
                     "argv0": os.path.basename(sys.argv[0]), "cwd": os.getcwd(), "path0": sys.path[0],
-                    "client": os.environ.get("HYBRIDFLOW_TEST_RAY_ZYGOTE_CLIENT")}
+                    "client": os.environ.get("HYBRIDFLOW_TEST_RAY_ZYGOTE_CLIENT"), "pgid": os.getpgid(0)}
 
     probe = Probe.remote()
     out = ray.get(probe.report.remote(), timeout=120)
@@ -93,6 +93,8 @@ def test_a_hooked_job_s_workers_are_forks_that_see_what_fresh_workers_see(tmp_pa
         assert report["job"] == report["driver_job"]
     for key in ("argv0", "cwd", "path0"):
         assert forked[key] == fresh[key], key
+    # A group of its own, as Ray gives its workers (the raylet cleans up after a worker by killing its group)
+    assert forked["pgid"] == forked["pid"] and fresh["pgid"] == fresh["pid"]
     assert forked["argv0"] == "default_worker.py"
     assert fresh["client"] is None and int(forked["client"]) != forked["pid"]
 
