@@ -28,7 +28,9 @@ import struct
 import sys
 
 SOCKET_ENV = "HYBRIDFLOW_TEST_RAY_ZYGOTE"  # the server's socket path, for the hook
-HOOK = "ray_zygote.runtime_env_hook"
+# By its package path from the repository root: the tests' drivers run with PYTHONPATH=<repo> (or from it), not
+# always with tests/ on the path.
+HOOK = "tests.ray_zygote.runtime_env_hook"
 CLIENT_PID_ENV = "HYBRIDFLOW_TEST_RAY_ZYGOTE_CLIENT"  # in a forked worker: the pid of the client Ray started
 # What the trainer's Ray workers import, on top of rank_launch's "all" profile. Never `ray` itself: importing it
 # builds Ray's C++ RayConfig from the environment of the moment (RAY_JOB_ID and the rest), and a fork would keep the
@@ -257,9 +259,9 @@ def start(timeout_s: float = 300) -> str | None:
     _server = (proc, path)
     os.environ[SOCKET_ENV] = path
     os.environ["RAY_RUNTIME_ENV_HOOK"] = HOOK
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if here not in paths:  # the drivers import the hook by module name
-        os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, paths)])
+    repo, paths = os.path.dirname(here), os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if repo not in paths:  # the drivers import the hook (HOOK)
+        os.environ["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, paths)])
     return path
 
 
