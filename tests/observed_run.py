@@ -57,6 +57,9 @@ def run_observed(root: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO),
            "HYBRIDFLOW_FAULT": "stage=update_critic,step=1,kind=nan,role=critic",
            "HYBRIDFLOW_FAULT_STATE": str(root / "fault_state")}
+    # Fresh worker interpreters, not the tests' forked ones (tests/ray_zygote.py): this run checks what a worker's
+    # start-up prints (library warnings at import) reaches its log file and not the console.
+    env.pop("RAY_RUNTIME_ENV_HOOK", None)
     log_path = root / "console.log"
     scrapes: list[dict] = []
     with open(log_path, "w") as log:
