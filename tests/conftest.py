@@ -64,13 +64,13 @@ def local_ray() -> str:
 
     Its users: the tests on `ray_cluster`, and every trainer run started through test_e2e_trainer._run, which joins
     it (trainer.ray.address) instead of starting a cluster of its own. Only pairs-phase tests do either, so at most
-    two clusters run at a time, one per xdist worker, as before. A joined run is the same job: the driver and its
-    workers are fresh processes, the placement groups its own, torn down when it ends. What joining leaves out (a
-    run's own cluster start, its ray temp dir, the local-only settings) the runs that keep their own cluster test:
-    test_fault.py's killed and restarted runs, the observed run, the sweep.
+    two clusters run at a time, one per xdist worker, as before. A joined run is the same job: the driver a fresh
+    process, the placement groups its own, torn down when it ends. What joining leaves out (a run's own cluster
+    start, its ray temp dir, the local-only settings) the runs that keep their own cluster test: test_fault.py's
+    killed and restarted runs, the observed run, the sweep.
 
-    It also starts the Ray worker zygote (tests/ray_zygote.py) for the runs that join: their workers are forks of
-    one process that imported torch, megatron and vLLM once."""
+    It first starts the Ray worker zygote (tests/ray_zygote.py): the workers of this process's jobs and of the runs
+    that join are forks of one process that imported torch, megatron and vLLM once."""
     import shutil
     import tempfile
 
@@ -84,14 +84,15 @@ def local_ray() -> str:
         os.environ["PYTHONPATH"] = pythonpath
         if str(TESTS) not in sys.path:
             sys.path.insert(0, str(TESTS))
-        run_dir = tempfile.mkdtemp(prefix="hf_test_ray_")
-        atexit.register(shutil.rmtree, run_dir, True)  # before ray.init's own atexit shutdown, so it runs after it
-        init_ray(num_cpus=16, object_store_memory=1024**3, run_dir=run_dir, env_vars={"PYTHONPATH": pythonpath})
-        # The trainer runs started from here fork their Ray workers from one preloaded process (tests/ray_zygote.py):
-        # from here on this process's environment carries the hook that their drivers' ray.init applies.
+        # Ray workers fork from one preloaded process (tests/ray_zygote.py): from here on this process's environment
+        # carries the hook that ray.init applies, this process's own (the `ray_cluster` tests' actors) and that of
+        # every trainer run started from here.
         import ray_zygote
 
         ray_zygote.start()
+        run_dir = tempfile.mkdtemp(prefix="hf_test_ray_")
+        atexit.register(shutil.rmtree, run_dir, True)  # before ray.init's own atexit shutdown, so it runs after it
+        init_ray(num_cpus=16, object_store_memory=1024**3, run_dir=run_dir, env_vars={"PYTHONPATH": pythonpath})
     return ray.get_runtime_context().gcs_address
 
 
