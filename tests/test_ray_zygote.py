@@ -43,6 +43,14 @@ DRIVER = textwrap.dedent('''
     elif sys.argv[2] == "kill-client":
         os.kill(int(out["client"]), 9)
     if sys.argv[2] != "report":
+        deadline = time.monotonic() + 30  # the worker goes first (a killed client's worker notices within ms)
+        while time.monotonic() < deadline:
+            try:
+                os.kill(out["pid"], 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        print("GONE", "yes" if time.monotonic() < deadline else "no", flush=True)
         try:
             ray.get(probe.report.remote(), timeout=60)
             print("DEAD no", flush=True)
@@ -102,15 +110,15 @@ def test_a_hooked_job_s_workers_are_forks_that_see_what_fresh_workers_see(tmp_pa
 def test_a_killed_worker_is_dead_to_ray_and_its_client_exits(tmp_path):
     report, out = _drive(tmp_path, "kill-worker", hook=True)
     assert report["ppid"] == _server_pid()
-    assert "DEAD yes" in out
+    assert "GONE yes" in out and "DEAD yes" in out
     assert _gone(int(report["client"])), "the client Ray started outlived its worker"
 
 
 def test_a_killed_client_takes_its_worker_with_it(tmp_path):
     report, out = _drive(tmp_path, "kill-client", hook=True)
     assert report["ppid"] == _server_pid()
+    assert "GONE yes" in out, "the forked worker outlived the client Ray started"
     assert "DEAD yes" in out
-    assert _gone(report["pid"]), "the forked worker outlived the client Ray started"
 
 
 @pytest.mark.parametrize("script, code", [("import sys; sys.exit(3)", 3),
