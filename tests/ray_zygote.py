@@ -1,9 +1,9 @@
-"""Ray workers for the tests' trainer runs, forked from one process that has already imported torch, megatron and
-vLLM.
+"""Ray workers for the tests, forked from one process that has already imported torch, megatron and vLLM.
 
-Why: a 2-step tiny PPO run under Ray is ~40 s, of which the two steps are ~4 s; most of the rest is its worker
-processes each importing torch, megatron.core and vLLM afresh (4-15 CPU-s a process, 5 processes a run; docs/index.md,
-"The tests"). tests/rank_launch.py does this for torchrun-style rank groups; this does it for Ray's workers.
+Why: a 2-step tiny PPO run joined to a local Ray took ~32 s and 53 CPU-s on the slower 2-core box, of which the two
+steps are ~4 s; most of the rest was its worker processes each importing torch, megatron.core and vLLM afresh.
+Forked: ~20 s and 29 CPU-s, the metrics bit-identical (docs/index.md, "The tests"). tests/rank_launch.py does this
+for torchrun-style rank groups; this does it for Ray's workers.
 
 How: Ray starts a worker of a job whose runtime_env names a `py_executable` as `<py_executable> default_worker.py
 <args>`. The hook (RAY_RUNTIME_ENV_HOOK, set by `start`) names this file's client. The client sends its argv,
@@ -11,11 +11,14 @@ environment, working directory and its stdin/stdout/stderr (the worker's log fil
 socket; the server forks a child that becomes `python default_worker.py <args>` with all of them, and tells the
 client its pid and, later, its exit code, which the client exits with. The worker is as real as before: Ray's own
 default_worker.py, registering with the raylet by its startup token and running the job's actors; only the
-interpreter start-up is skipped. Raylet kills the pid the worker registers with (the child); a signal to the client
-is passed on; a client that dies (SIGKILL) takes its child with it, which watches the client's connection.
+interpreter start-up is skipped. The raylet signals the pid the worker registers with (the child) and kills its
+process group; a signal to the client is passed on; a client that dies (SIGKILL) takes its child with it, which
+watches the client's connection.
 
-Not covered by a fork: the runs that keep their own cluster also keep fresh interpreters unless they run with the
-hook in their environment; HYBRIDFLOW_TEST_LAUNCHER=subprocess turns the hook off (as it does rank_launch's forks).
+Who: conftest.local_ray (the pairs phase: the ray_cluster tests' actors, the trainer runs that join) and, in the serial
+phase, every Ray job a test starts (conftest's session fixture). A driver whose environment lacks the hook (the
+observed run drops it) gets fresh interpreters; HYBRIDFLOW_TEST_LAUNCHER=subprocess turns it off everywhere, as it
+does rank_launch's forks.
 """
 
 from __future__ import annotations
