@@ -131,3 +131,22 @@ def test_unsatisfiable_pool_times_out_with_resources(ray_cluster):
     with pytest.raises(TimeoutError, match="pool 'huge'"):
         pool.slots()
     pool.remove()
+
+
+def test_a_driver_joins_a_loopback_cluster_without_the_loopback_setting(ray_cluster):
+    """A job joining our local (loopback-only) cluster from a process that lacks RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0:
+    Ray rewrites 127.0.0.1 to the first interface's address and used to wait there for minutes (init_ray now keeps
+    the address on loopback for that init)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, local_ray
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    code = ("import ray\nfrom hybridflow.controller import init_ray\n"
+            f"init_ray(address={local_ray()!r})\nprint('answer', ray.get(ray.remote(lambda: 42).remote(), timeout=60))")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "answer 42" in proc.stdout, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 60

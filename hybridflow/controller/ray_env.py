@@ -10,6 +10,7 @@ leaves alone the env vars the job's runtime_env already sets (Ray refuses to mer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -47,6 +48,32 @@ def _job_env_vars() -> dict | None:
     return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
 
 
+@contextlib.contextmanager
+def _cluster_mode(on: bool):
+    """Ray's cluster mode (ray_constants.ENABLE_RAY_CLUSTER, read from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when ray
+    is imported) for one init: off, a node's address is loopback and loopback addresses are left as they are."""
+    from ray._private import ray_constants
+
+    saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, ray_constants.ENABLE_RAY_CLUSTER and on
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether a HOST:PORT address names this machine's loopback ("auto" and the like do not)."""
+    import ipaddress
+
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None, include_dashboard: bool = False,
              object_store_memory: int | None = 2 * 1024**3, run_dir: str | os.PathLike = "runs",
              env_vars: dict | None = None):
@@ -62,7 +89,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
         job_env = _job_env_vars()
         extra = {k: v for k, v in runtime_env["env_vars"].items() if k not in (job_env or {})}
         log.info("joining Ray cluster at %s%s", address, " (inside a Ray job)" if job_env is not None else "")
-        return ray.init(address=address, runtime_env={"env_vars": extra} if extra else None, log_to_driver=True)
+        # A cluster on loopback (our local clusters are: below) registered its node as 127.0.0.1. Ray rewrites a
+        # loopback address to the first interface's (resolve_ip_for_localhost) unless its cluster mode is off, and
+        # then waits for minutes on a raylet that is not there; with it off for this init, the driver joins at once.
+        with _cluster_mode(not _is_loopback(address)):
+            return ray.init(address=address, runtime_env={"env_vars": extra} if extra else None, log_to_driver=True)
     tmp = ray_temp_dir(run_dir, os.environ.get("RAY_TMPDIR"))
     tmp.mkdir(parents=True, exist_ok=True)
     # A stale "current cluster" marker makes the next init try to join a dead cluster.
@@ -75,7 +106,6 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
     # constant is set too (for this init only: a later join from this process must see the real address);
     # the env var reaches the GCS, raylet, agents and workers that this init spawns.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    from ray._private import ray_constants
     kwargs = dict(
         num_cpus=num_cpus,
         include_dashboard=include_dashboard,
@@ -87,8 +117,5 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
     if include_dashboard:
         kwargs["dashboard_host"] = "127.0.0.1"
     log.info("starting local Ray (num_cpus=%s, temp dir %s)", num_cpus, tmp)
-    cluster_mode, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-    try:
+    with _cluster_mode(False):
         return ray.init(**kwargs)
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
