@@ -74,6 +74,23 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def is_loopback_address(address: str) -> bool:
+    """Whether a HOST:PORT address names this machine's loopback (localhost, 127.x, [::1]); "auto" and other
+    non-HOST:PORT forms do not."""
+    import ipaddress
+
+    try:
+        host = split_address(address)[0].strip("[]")
+    except ValueError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def connect_within(host: str, port: int, timeout_s: float, refused_s: float | None = None) -> OSError | None:
     """Retry a TCP connect to host:port every 0.5 s until it succeeds (None) or `timeout_s` passes (the last
     error). A refused connection, i.e. a host that answers with nothing on the port, is retried only for

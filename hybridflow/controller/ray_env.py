@@ -15,6 +15,8 @@ import logging
 import os
 from pathlib import Path
 
+from hybridflow.ports import is_loopback_address
+
 log = logging.getLogger(__name__)
 
 
@@ -61,19 +63,6 @@ def _cluster_mode(on: bool):
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
-def _is_loopback(address: str) -> bool:
-    """Whether a HOST:PORT address names this machine's loopback ("auto" and the like do not)."""
-    import ipaddress
-
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def init_ray(address: str | None = None, num_cpus: int | None = None, include_dashboard: bool = False,
              object_store_memory: int | None = 2 * 1024**3, run_dir: str | os.PathLike = "runs",
              env_vars: dict | None = None):
@@ -92,7 +81,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
         # A cluster on loopback (our local clusters are: below) registered its node as 127.0.0.1. Ray rewrites a
         # loopback address to the first interface's (resolve_ip_for_localhost) unless its cluster mode is off, and
         # then waits for minutes on a raylet that is not there; with it off for this init, the driver joins at once.
-        with _cluster_mode(not _is_loopback(address)):
+        with _cluster_mode(not is_loopback_address(address)):
             return ray.init(address=address, runtime_env={"env_vars": extra} if extra else None, log_to_driver=True)
     tmp = ray_temp_dir(run_dir, os.environ.get("RAY_TMPDIR"))
     tmp.mkdir(parents=True, exist_ok=True)
