@@ -186,8 +186,25 @@ def test_cases_come_from_three_sources_and_say_what_they_count(result):
         assert c["source"] in P.SOURCES and c["counts"] and c["setting"]
         assert c["rel_error"] == pytest.approx((c["predicted"] - c["published"]) / c["published"])
     assert result["max_rel_error"] == pytest.approx(max(abs(c["rel_error"]) for c in numeric))
-    # NeMo-RL's published step times (v0.5 and v0.4 H100 BF16 tables)
-    assert {92.8, 376.0, 97.7, 393.0} <= {c["published"] for c in numeric}
+    # NeMo-RL's published step times (v0.5 and v0.4 H100 BF16 tables), the one-step-off rows among them
+    assert {92.8, 376.0, 97.7, 393.0, 64.8, 200.0} <= {c["published"] for c in numeric}
+
+
+def test_nemo_one_step_off_rows_are_planned_on_split_pools_as_one_step_off():
+    """Each async row: generation on its own nodes, training on the rest, and its step the one-step-off overlap of
+    the plan's own stage times (the larger of generation and training, then the weight sync), not their sum."""
+    for name, model, nodes, gen_nodes, t, p, t_g, lp, ckpt, mean, step, _ in P.NEMO_ASYNC_ROWS:
+        opts = Options(**P.NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
+        plan = P.plan_overrides(P.nemo_async_overrides(model, nodes, gen_nodes, t, p, t_g, lp), opts)
+        assert plan.job.rollout_pool and plan.job.async_mode == "one_step_off_policy", name
+        assert (plan.job.rollout_world, plan.job.world) == (8 * gen_nodes, 8 * (nodes - gen_nodes)), name
+        sec = {s.name: s.seconds for s in plan.stages}
+        assert "transition" not in sec and sec["offload"] == 0.0, name  # nothing else shares the training GPUs
+        train = sum(v for k, v in sec.items() if k not in ("generate", "weight_sync"))
+        assert plan.step_s == pytest.approx(max(sec["generate"], train) + sec["weight_sync"]), name
+        case = next(c for c in P.nemo_cases() if c["case"] == f"NeMo-RL {name} (step s)")
+        assert case["predicted"] == pytest.approx(plan.step_s) and case["published"] == step
+        assert "one_step_off_policy" in case["setting"] and f"generation {8 * gen_nodes} GPUs" in case["setting"]
 
 
 def test_leave_one_source_out_is_computed(result, monkeypatch):

@@ -61,7 +61,10 @@ BEYOND_TARGET = {
             "tokens/GPU/s, inside 25% only below a 100-token mean, far under GSM8K's few hundred. What PPO adds over "
             "GRPO (the critic's forward and update, the offload traffic of this recipe) is where the plan is short. "
             "Nothing in EFFICIENCY was set by looking at verl",
-    "nemo-rl": "not counted: NeMo-RL's refit, Ray dispatch and per-stage set-up; every row is predicted short. The "
+    "nemo-rl": "every on-policy (colocated) row is predicted short and both one-step-off rows (split pools, "
+               "training-bound in the plan) long: the published steps imply that generation plus what colocation "
+               "adds (refit, vLLM's sleep and wake, offload around it) takes 1.4-1.6x the planned generation, a gap "
+               "no sourced term explains yet, so nothing is scaled for it (docs/scale.md). The "
                "MoE row (Qwen3-30B-A3B) also plans its 128 experts of width 768, run as sequential GEMMs at v0.6.0, "
                "at the dense train_mfu (40%), and routing as uniform (aux loss off: the busiest expert's rank sets "
                "the pace): both are upper bounds on speed, and no source gives their MoE values",
@@ -82,20 +85,23 @@ VERL_ASSUMED = ("prompt mean 105 (verl quickstart log); ASSUMED responses mean 2
 NEMO_OPTIONS = dict(gpu="h100", packing="packed", max_num_seqs=1024, prompt_length_mean=120)
 
 
-def nemo_overrides(model: str, nodes: int, t: int, p: int, t_g: int, logprob_micro: int, ep: int = 1) -> list[str]:
+def nemo_overrides(model: str, nodes: int, t: int, p: int, t_g: int, logprob_micro: int, ep: int = 1,
+                   gpu_memory_utilization: float = 0.6, offload: bool = True) -> list[str]:
     a = "actor_rollout_ref"
     m = [f"tensor_model_parallel_size={t}", f"pipeline_model_parallel_size={p}", f"sequence_parallel={t > 1}",
          f"expert_model_parallel_size={ep}"]
     out = ["data.train_batch_size=64", "data.max_prompt_length=512", "data.max_response_length=3584",
            f"{a}.model.path=models/{model}", f"{a}.model.dtype=bfloat16", f"{a}.rollout.n=32",
            f"{a}.rollout.tensor_model_parallel_size={t_g}", f"{a}.rollout.response_length=3584",
-           f"{a}.rollout.kv_cache_memory_bytes=null", f"{a}.rollout.gpu_memory_utilization=0.6",
+           f"{a}.rollout.kv_cache_memory_bytes=null",
+           f"{a}.rollout.gpu_memory_utilization={gpu_memory_utilization}",
            f"{a}.rollout.log_prob_micro_batch_size_per_gpu={logprob_micro}",
            f"{a}.ref.log_prob_micro_batch_size_per_gpu={logprob_micro}",
            f"{a}.actor.ppo_mini_batch_size=16", f"{a}.actor.ppo_micro_batch_size_per_gpu=1",
            f"{a}.actor.use_kl_loss=true", "algorithm.adv_estimator=grpo",
-           f"trainer.nnodes={nodes}", "trainer.n_gpus_per_node=8",
-           f"{a}.actor.megatron.optimizer_offload=true", f"{a}.actor.megatron.grad_offload=true"]
+           f"trainer.nnodes={nodes}", "trainer.n_gpus_per_node=8"]
+    if offload:
+        out += [f"{a}.actor.megatron.optimizer_offload=true", f"{a}.actor.megatron.grad_offload=true"]
     for prefix in (f"{a}.actor.megatron", f"{a}.ref.megatron"):
         out += [f"{prefix}.{k}" for k in m]
     return out
@@ -118,6 +124,35 @@ NEMO_ROWS = [
     ("Qwen3-30B-A3B GRPO on-policy, 32 H100 (v0.6)", "Qwen3-30B-A3B", 4, 1, 1, 8, 2, 4, False, 3203, 192.0,
      "v0.6 H100 BF16 row: avg gen 3,203, 1,102 tokens/s/GPU, 192 s"),
 ]
+
+# NeMo-RL's one-step-off rows of the same v0.5 table (recipes grpo-llama3.1-8b-instruct-2n8g-async-1off.yaml and
+# grpo-qwen3-32b-8n8g-async-1off.yaml at v0.5.0, over the on-policy recipes above): generation on nodes of its own
+# (policy.generation.colocated.enabled=false, vLLM gpu_memory_utilization 0.8), async_grpo with
+# max_trajectory_age_steps 1 and in_flight_weight_updates. Planned on our split pools (a rollout pool, an actor pool
+# for the training roles) with async_training.mode=one_step_off_policy: step = max(generate, train) + weight sync
+# (launch/plan/async_step.py). ASSUMED: that one-step-off schedule is NeMo-RL's max age 1; no optimizer offload
+# (nothing else uses the training GPUs). The MoE row's one-step-off twin is not planned: our cross-pool weight sync
+# does not carry routed experts, and the planner refuses what the trainer refuses.
+# (case, model, nodes, generation nodes, t, p, t_g, logprob micro, activation checkpointing, mean response, step s,
+#  row)
+NEMO_ASYNC_ROWS = [
+    ("Llama-3.1-8B GRPO 1-step off, 8+8 H100 (v0.5)", "Llama-3.1-8B-Instruct", 2, 1, 1, 1, 1, 2, True, 1123, 64.8,
+     "v0.5 H100 BF16 row: avg gen 1,123, 2,478 tokens/s/GPU, 64.8 s"),
+    ("Qwen3-32B GRPO 1-step off, 32+32 H100 (v0.5)", "Qwen3-32B", 8, 4, 4, 4, 4, 4, False, 3252, 200.0,
+     "v0.5 H100 BF16 row: avg gen 3,252, 538 tokens/s/GPU, 200 s"),
+]
+
+
+def nemo_async_overrides(model: str, nodes: int, gen_nodes: int, t: int, p: int, t_g: int,
+                         logprob_micro: int) -> list[str]:
+    """An async row as our config: the on-policy row's keys, vLLM at 0.8 of its GPUs, and split pools."""
+    pool = lambda n: "[" + ",".join(["8"] * n) + "]"  # noqa: E731 - nodes of 8 GPUs
+    return [*nemo_overrides(model, nodes, t, p, t_g, logprob_micro, gpu_memory_utilization=0.8, offload=False),
+            f"trainer.resource_pools.actor={pool(nodes - gen_nodes)}",
+            f"trainer.resource_pools.rollout={pool(gen_nodes)}",
+            "trainer.role_pools.actor_rollout=actor", "trainer.role_pools.ref=actor",
+            "trainer.role_pools.rollout=rollout", "async_training.mode=one_step_off_policy"]
+
 
 # The paper's testbed (§8.1): 16 machines x 8 A100-80GB, NVLink inside a machine, 200 Gb/s between machines.
 PAPER_GPU, PAPER_INTERNODE_GBPS = "a100", 200.0
@@ -223,6 +258,14 @@ def nemo_cases() -> list[dict]:
                         f"{row}; gen TP{t_g}, train TP{t} PP{p}{f' EP{ep}' if ep > 1 else ''}, "
                         f"{'activation checkpointing, ' if ckpt else ''}"
                         f"response mean {mean} (published), ASSUMED prompt 120 and p99 at the budget"))
+    for name, model, nodes, gen_nodes, t, p, t_g, lp_micro, ckpt, mean, step, row in NEMO_ASYNC_ROWS:
+        opts = Options(**NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
+        plan = plan_overrides(nemo_async_overrides(model, nodes, gen_nodes, t, p, t_g, lp_micro), opts)
+        out.append(case("nemo-rl", f"NeMo-RL {name} (step s)", plan.step_s, step, "seconds per step",
+                        f"{row}; generation {8 * gen_nodes} GPUs at TP{t_g}, training {8 * (nodes - gen_nodes)} GPUs "
+                        f"at TP{t} PP{p}{', activation checkpointing' if ckpt else ''}; one_step_off_policy (ASSUMED "
+                        f"for max_trajectory_age_steps 1), response mean {mean} (published), ASSUMED prompt 120 and "
+                        f"p99 at the budget"))
     return out
 
 
