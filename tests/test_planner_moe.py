@@ -53,6 +53,20 @@ def test_flops_count_active_parameters():
     assert M.active_params(llama) == M.total_params(llama)
 
 
+def test_tied_embeddings_keep_the_output_matmul():
+    """Tying shares one matrix between the input lookup and the output layer: the model is V*h smaller, the matmuls
+    a token runs through are the same (Qwen3-1.7B is tied; the same config untied is the reference)."""
+    from launch.plan.shapes import KNOWN_CONFIGS, shape_from_hf_config
+
+    tied = shape("Qwen3-1.7B")
+    untied = shape_from_hf_config("untied", {**KNOWN_CONFIGS["Qwen3-1.7B"], "tie_word_embeddings": False}, "test")
+    assert tied.tie_word_embeddings and not untied.tie_word_embeddings
+    assert M.total_params(untied) - M.total_params(tied) == 151936 * 2048
+    assert S.matmul_params(tied) == S.matmul_params(untied) == M.total_params(untied) - 151936 * 2048
+    # a scalar head (critic, reward model) replaces the output matmul either way
+    assert S.matmul_params(tied, scalar_head=True) == S.matmul_params(untied, scalar_head=True)
+
+
 def test_expert_memory_per_rank_ep1_against_ep8():
     """4 nodes x 8 H100, TP1 PP1, dp 32, bf16, distributed optimizer: EP8 keeps 16 of 128 experts per rank (expert-dp
     4), EP1 all 128 (expert-dp 32). Params and grads of the experts shrink 8x; the optimizer state does not move: the

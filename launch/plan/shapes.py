@@ -48,6 +48,10 @@ KNOWN_CONFIGS: dict[str, dict] = {
     # heads, ffn 25600, vocab 151936, untied. Planned as a Llama-architecture body: Qwen3 adds only q/k RMSNorm
     # (2 x 128 weights per layer) and has no qkv bias; the Megatron builder does not map model_type qwen3 yet.
     "Qwen3-32B": {**_llama(64, 5120, 64, 8, 25600, 151936, 1000000.0, 40960, 1e-6), "head_dim": 128},
+    # Qwen/Qwen3-1.7B/config.json: 28 layers, hidden 2048, 16 heads of head_dim 128, 8 KV heads, ffn 6144, vocab
+    # 151936, tied embeddings (the output layer is the input embedding). A Llama-architecture body, as Qwen3-32B.
+    "Qwen3-1.7B": {**_llama(28, 2048, 16, 8, 6144, 151936, 1000000.0, 40960, 1e-6), "head_dim": 128,
+                   "tie_word_embeddings": True},
     # Qwen/Qwen3-30B-A3B/config.json: 48 layers, hidden 2048, 32 heads of head_dim 128 (q width 4096 > hidden),
     # 4 KV heads, every layer sparse (decoder_sparse_step 1, no mlp_only_layers): 128 experts of width 768
     # (moe_intermediate_size), top-8 with norm_topk_prob, no shared expert; q/k RMSNorm; vocab 151936, untied.

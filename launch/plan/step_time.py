@@ -148,9 +148,13 @@ class StageTime:
 
 def matmul_params(role_or_shape, scalar_head: bool = False) -> float:
     """Parameters that do matmuls for one token (the input embedding is a lookup; an MoE layer runs k of its E
-    experts): the 2N / 6N in the FLOP count."""
+    experts): the 2N / 6N in the FLOP count. Tied embeddings are one matrix that is both the lookup and the output
+    layer's matmul, so it stays in; a scalar head replaces that output matmul."""
     shape = role_or_shape.shape if isinstance(role_or_shape, Role) else role_or_shape
-    return M.active_params(shape, scalar_head) - shape.vocab_size * shape.hidden_size
+    lookup_only = shape.vocab_size * shape.hidden_size
+    if shape.tie_word_embeddings and not scalar_head:
+        lookup_only = 0
+    return M.active_params(shape, scalar_head) - lookup_only
 
 
 def routed_expert_params(shape) -> float:
