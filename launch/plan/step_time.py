@@ -78,6 +78,19 @@ EFFICIENCY: dict[str, Eff] = {
     # roughly 7-20 ms; v0.6+ and V1 overlap part of it. 2 ms per step is an estimate from those figures, not fitted.
     "decode_step_overhead_s": Eff(2e-3, "vLLM per-step scheduling + input prep + sampling on the CPU (vLLM v0.6.0 "
                                         "blog: 29% of an 8B H100 decode in scheduling before overlap); estimate"),
+    # An MoE layer's decode runs vLLM's fused-MoE path: router top-k, the alignment of tokens to experts, two
+    # grouped expert GEMMs, the activation and the weighted combine, several small kernels per layer. Measured
+    # (tenstorrent/tt-inference-server issue #340, "Qwen3 Family: GPU Benchmarks", vLLM on one A100-80GB, ISL 128,
+    # OSL 128, concurrency 1): Qwen3-30B-A3B 9.6 ms per output token, where this decode model gives 6.3 ms (its
+    # attention, router and 8 experts read at decode_hbm, plus decode_step_overhead_s). The 3.3 ms over its 48 MoE
+    # layers is ~69 us each. The same harness's dense Qwen3-1.7B (4.6 ms against 4.4 ms here) shows the rest of the
+    # model is right at that point. ASSUMED: the excess is a per-layer latency (kernels too small to fill the GPU
+    # at batch 1), not slower weight reads, so it is added once per MoE layer per step at any batch; a larger batch
+    # already pays for the extra experts it touches through weights_read. One GPU assumed (61 GB of bf16 weights fit
+    # an 80 GB A100). Not chosen by looking at any published RL case.
+    "moe_decode_layer_s": Eff(69e-6, "vLLM fused-MoE path per MoE layer per decode step: tenstorrent/tt-inference-"
+                                     "server #340, one A100, Qwen3-30B-A3B 9.6 ms/token at batch 1 against 6.3 ms "
+                                     "modelled without it, over 48 layers"),
     # NCCL ring all-gather / reduce-scatter and p2p reach ~80% of NVLink bandwidth at large messages (nccl-tests
     # busbw on DGX A100/H100).
     "link": Eff(0.80, "NCCL bus bandwidth at large messages ~80% of NVLink (nccl-tests)"),
@@ -386,7 +399,8 @@ class DecodeModel:
     def step_s(self, batch: int, kv_tokens: float) -> float:
         """One decode step at `batch` running sequences whose contexts sum to `kv_tokens`: the linear layers (the
         larger of their FLOPs at the CUDA-graph batch and their weight reads), then attention reading the KV cache,
-        the TP all-reduces (2 per layer: latency + bytes) and vLLM's per-step CPU work."""
+        the TP all-reduces (2 per layer: latency + bytes), vLLM's per-step CPU work, and for an MoE model its
+        fused-MoE path's latency per layer (EFFICIENCY moe_decode_layer_s)."""
         hbm = self.hbm_bytes_s * eff("decode_hbm")
         gemm = max(2 * self.matmul_params_rank * cuda_graph_batch(batch) / (self.peak_flops * eff("decode_gemm_mfu")),
                    self.weights_read(batch) * self.elem / hbm)
@@ -395,7 +409,15 @@ class DecodeModel:
         if self.t_g > 1:
             per = 2 * (self.t_g - 1) / self.t_g * batch * self.hidden * self.elem / self.tp_link_bytes_s
             allreduce = 2 * self.layers * (eff("tp_allreduce_latency_s") + per)
-        return eff("decode_step_overhead_s") + gemm + attn + allreduce
+        moe = self.layers * eff("moe_decode_layer_s") if self.num_experts else 0.0
+        return eff("decode_step_overhead_s") + gemm + attn + allreduce + moe
+
+
+def decode_model(shape, device, t_g: int, elem: int, tp_link_bytes_s: float) -> DecodeModel:
+    """The decode step of one vLLM replica at tensor parallel t_g serving `shape` on `device`."""
+    return DecodeModel(device.peak_flops, device.hbm_bytes_s, matmul_params(shape) / t_g, elem,
+                       M.kv_bytes_per_token(shape, t_g, elem), shape.num_layers, shape.hidden_size, t_g,
+                       tp_link_bytes_s, routed_expert_params(shape) / t_g, shape.num_experts, shape.moe_topk)
 
 
 def continuous_batching(lengths: list[int], slots: int, prompt: float) -> list[tuple[int, int, float]]:
@@ -451,9 +473,7 @@ def generation(job: Job) -> StageTime:
     # vLLM admits requests while their KV blocks fit: steady state ~ capacity / (prompt + mean response) sequences
     fits_kv = int(job.kv_cache_bytes // (kv_tok * (prompt + job.lengths.sample_mean())))
     slots = max(1, min(per_replica, job.options.max_num_seqs, fits_kv))
-    model = DecodeModel(dev.peak_flops, dev.hbm_bytes_s, matmul_params(shape) / t_g, e, kv_tok, shape.num_layers,
-                        shape.hidden_size, t_g, link_bytes_s(job, t_g), routed_expert_params(shape) / t_g,
-                        shape.num_experts, shape.moe_topk)
+    model = decode_model(shape, dev, t_g, e, link_bytes_s(job, t_g))
     # The batch's lengths, dealt to the replicas in arrival order; generation ends with the slowest replica (the one
     # holding the batch's longest responses), which every other replica then waits for.
     every = job.lengths.sample(job.sequences)
