@@ -5,8 +5,9 @@
 
 Modules: shapes (model shapes: config.json or a known table), devices (GPU/network table), memory (bytes per
 parameter, activation formulas, KV cache), fit (per-stage memory peak and the fit check), lengths (response-length
-distributions), step_time (seconds per stage), async_step (split pools: overlap, weight sync, idle shares),
-published (published figures, leave-one-source-out), report (tables, recipe headers).
+distributions), batching (vLLM's admission and preemption over the KV cache), step_time (seconds per stage),
+async_step (split pools: overlap, weight sync, idle shares), published (published figures, leave-one-source-out),
+report (tables, recipe headers).
 `make_plan` is what the CLI and the tests call.
 """
 

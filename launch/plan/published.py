@@ -63,9 +63,9 @@ BEYOND_TARGET = {
             "Nothing in EFFICIENCY was set by looking at verl",
     "nemo-rl": "every on-policy (colocated) row is predicted short and both one-step-off rows (split pools, "
                "training-bound in the plan) long: the published steps imply that generation plus what colocation "
-               "adds (refit, vLLM's sleep and wake, offload around it) takes 1.4-1.6x the planned generation, a gap "
-               "no sourced term explains yet, so nothing is scaled for it (docs/scale.md). The "
-               "MoE row (Qwen3-30B-A3B) also plans its 128 experts of width 768, run as sequential GEMMs at v0.6.0, "
+               "adds (refit, vLLM's sleep and wake, offload around it) takes 1.4-1.9x the planned generation, a gap "
+               "no sourced term explains yet, so nothing is scaled for it (docs/scale.md); the MoE row has the largest "
+               "such gap (1.9x). It also plans its 128 experts of width 768, run as sequential GEMMs at v0.6.0, "
                "at the dense train_mfu (40%), and routing as uniform (aux loss off: the busiest expert's rank sets "
                "the pace): both are upper bounds on speed, and no source gives their MoE values",
     "hybridflow-paper": "the paper's testbed inter-node efficiency is read from its own transition figures",

@@ -1,11 +1,12 @@
 """Seconds per stage of one RL step, from FLOPs, memory bandwidth and interconnect bandwidth.
 
-- generate: vLLM's continuous batching simulated per replica (continuous_batching) over the job's response lengths
-  (launch/plan/lengths.py: the budget, a mean and p99, or a run's histogram), with as many slots as the KV cache and
-  max_num_seqs allow; each decode step (DecodeModel.step_s) costs vLLM's CPU overhead + the larger of the GEMM FLOPs
-  at the CUDA-graph batch and the weight reads + the KV reads + two TP all-reduces per layer. The step waits for
-  the slowest replica; its long tail (few sequences left, each step still reading every weight) comes out of it.
-  Prefill is compute-bound.
+- generate: vLLM's continuous batching simulated per replica (launch/plan/batching.py: admission while the KV cache
+  and max_num_seqs allow, preemption of the newest and its recompute when the cache is full) over the job's response
+  lengths (launch/plan/lengths.py: the budget, a mean and p99, or a run's histogram). Each decode step
+  (DecodeModel.step_s) costs vLLM's CPU overhead + the larger of the GEMM FLOPs at the CUDA-graph batch and the
+  weight reads + the KV reads + two TP all-reduces per layer (+ the fused-MoE latency per MoE layer). The step waits
+  for the slowest replica; its long tail (few sequences left, each step still reading every weight) comes out of
+  it. Prefill, and the recompute of a preempted request, is compute-bound.
 - log-prob passes (old_log_prob, ref, values, rm): 2N FLOPs per token + attention, over all GPUs of the role,
   stretched by the pipeline bubble (p - 1)/m.
 - updates: 6N per token + 3x the attention forward (+1 forward with full recompute, + the attention forward with
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from hybridflow.resharding.planner import optimal_recv_bytes
 from launch.plan import memory as M
+from launch.plan.batching import continuous_batching
 from launch.plan.fit import elem_bytes, train_micro_batches
 from launch.plan.job import Job, Role
 
@@ -420,47 +422,6 @@ def decode_model(shape, device, t_g: int, elem: int, tp_link_bytes_s: float) -> 
                        tp_link_bytes_s, routed_expert_params(shape) / t_g, shape.num_experts, shape.moe_topk)
 
 
-def continuous_batching(lengths: list[int], slots: int, prompt: float) -> list[tuple[int, int, float]]:
-    """vLLM's continuous batching of one replica's requests, in arrival order, over `slots` concurrent sequences:
-    a request starts when a slot frees and decodes one token per step until its length. Returns segments
-    (batch, steps, kv_tokens per step on average) between finish events: the long tail is the last segments, where
-    few sequences decode and each step still reads all the weights."""
-    if not lengths:
-        return []
-    import heapq
-
-    slots = max(1, slots)
-    running: list[tuple[int, int]] = []  # (finish step, start step)
-    queue = iter(lengths)
-    sum_start, now, out = 0, 0, []
-
-    def admit(step: int) -> bool:
-        nonlocal sum_start
-        length = next(queue, None)
-        if length is None:
-            return False
-        heapq.heappush(running, (step + length, step))
-        sum_start += step
-        return True
-
-    for _ in range(min(slots, len(lengths))):
-        admit(0)
-    while running:
-        end = running[0][0]
-        n = len(running)
-        if end > now:
-            steps = end - now
-            # sum over the segment's steps of sum_i (prompt + s - start_i), s = now .. end-1
-            kv = steps * (n * prompt - sum_start) + n * (now + end - 1) * steps / 2
-            out.append((n, steps, kv / steps))
-            now = end
-        while running and running[0][0] == now:
-            _, start = heapq.heappop(running)
-            sum_start -= start
-            admit(now)
-    return out
-
-
 def generation(job: Job) -> StageTime:
     shape, e, dev, t_g = job.roles["actor"].shape, elem_bytes(job), job.device, job.t_g
     replicas = job.rollout_world // t_g  # the rollout pool's GPUs, or the actor's (the rollout in its processes)
@@ -470,32 +431,41 @@ def generation(job: Job) -> StageTime:
     if job.kv_cache_bytes < kv_tok * job.seq_len:
         raise ValueError(f"actor_rollout_ref.rollout.kv_cache_memory_bytes={job.kv_cache_bytes} holds no sequence of "
                          f"{job.seq_len} tokens ({kv_tok * job.seq_len / M.GiB:.2f} GiB each at t_g={t_g})")
-    # vLLM admits requests while their KV blocks fit: steady state ~ capacity / (prompt + mean response) sequences
-    fits_kv = int(job.kv_cache_bytes // (kv_tok * (prompt + job.lengths.sample_mean())))
-    slots = max(1, min(per_replica, job.options.max_num_seqs, fits_kv))
+    # The replica's KV cache in tokens; vLLM admits and preempts over it (launch/plan/batching.py). At the mean
+    # length it holds ~`fits` sequences at once, the steady state the detail reports.
+    kv_tokens = job.kv_cache_bytes / kv_tok
+    fits = max(1, min(per_replica, job.options.max_num_seqs, int(kv_tokens // (prompt + job.lengths.sample_mean()))))
     model = decode_model(shape, dev, t_g, e, link_bytes_s(job, t_g))
-    # The batch's lengths, dealt to the replicas in arrival order; generation ends with the slowest replica (the one
-    # holding the batch's longest responses), which every other replica then waits for.
-    every = job.lengths.sample(job.sequences)
-    decode_s, segments = -1.0, []
-    for r in range(min(replicas, job.sequences)):
-        segs = continuous_batching(every[r::replicas], slots, prompt)
-        sec = sum(steps * model.step_s(batch, kv) for batch, steps, kv in segs)
-        if sec > decode_s:
-            decode_s, segments = sec, segs
-    total_steps = sum(steps for _, steps, _ in segments)
-    tail_steps = sum(steps for batch, steps, _ in segments if batch < slots / 4)
-    prefill = per_replica * (2 * matmul_params(shape) * prompt + attention_flops_fwd(shape, prompt)) / t_g
-    prefill_s = prefill / (dev.peak_flops * eff("prefill_mfu"))
+    per_token_ar = 0.0
     if t_g > 1:
-        per_token = 2 * (t_g - 1) / t_g * shape.hidden_size * e / link_bytes_s(job, t_g)
-        prefill_s += 2 * shape.num_layers * per_replica * prompt * per_token
-    sec = prefill_s + decode_s
-    return StageTime("generate", sec, f"{replicas} replicas x {per_replica} seqs, {slots} slots; slowest replica "
-                                      f"{total_steps} decode steps ({tail_steps} in the tail below {slots // 4} "
-                                      f"running), "
-                                      f"{decode_s / max(1, total_steps) * 1e3:.1f} ms/step mean, prefill "
-                                      f"{prefill_s:.1f} s", (("prefill", prefill_s), ("decode", decode_s)))
+        per_token_ar = 2 * shape.num_layers * 2 * (t_g - 1) / t_g * shape.hidden_size * e / link_bytes_s(job, t_g)
+
+    def prefill_s(tokens: float) -> float:  # one prefill of `tokens` tokens on one replica
+        flops = (2 * matmul_params(shape) * tokens + attention_flops_fwd(shape, tokens)) / t_g
+        return flops / (dev.peak_flops * eff("prefill_mfu")) + tokens * per_token_ar
+
+    # The batch's lengths, dealt to the replicas in arrival order; generation ends with the slowest replica (the one
+    # holding the batch's longest responses), which every other replica then waits for. A preempted request's
+    # recompute is a prefill on its replica.
+    every = job.lengths.sample(job.sequences)
+    slowest, decode_s, recompute_s = None, 0.0, 0.0
+    for r in range(min(replicas, job.sequences)):
+        run = continuous_batching(every[r::replicas], kv_tokens, job.options.max_num_seqs, prompt)
+        dec = sum(steps * model.step_s(batch, kv) for batch, steps, kv in run.segments)
+        rec = sum(prefill_s(c) for c in run.recomputed)
+        if slowest is None or dec + rec > decode_s + recompute_s:
+            slowest, decode_s, recompute_s = run, dec, rec
+    tail_steps = sum(steps for batch, steps, _ in slowest.segments if batch < fits / 4)
+    prompts_s = per_replica * prefill_s(prompt)
+    sec = prompts_s + recompute_s + decode_s
+    preempted = (f", {len(slowest.recomputed)} preempted and recomputed ({recompute_s:.1f} s)"
+                 if slowest.recomputed else "")
+    return StageTime("generate", sec, f"{replicas} replicas x {per_replica} seqs, KV for ~{fits} at the mean "
+                                      f"length; slowest replica {slowest.steps} decode steps ({tail_steps} in the "
+                                      f"tail below {fits // 4} running{preempted}), "
+                                      f"{decode_s / max(1, slowest.steps) * 1e3:.1f} ms/step mean, prefill "
+                                      f"{prompts_s:.1f} s",
+                     (("prefill", prompts_s + recompute_s), ("decode", decode_s)))
 
 
 def offload_traffic(job: Job) -> StageTime:
