@@ -229,6 +229,21 @@ def test_cases_come_from_three_sources_and_say_what_they_count(result):
     assert {92.8, 376.0, 97.7, 393.0, 64.8, 200.0} <= {c["published"] for c in numeric}
 
 
+def test_colocated_generation_gap_is_computed_from_each_rows_own_plan(result):
+    """published step - (planned step - planned generation), over the planned generation, for every on-policy row;
+    recomputed here from one row's plan. A diagnosis: the row's predicted step is the plan's, unscaled."""
+    gaps = result["colocated_generation_gap"]
+    assert [g["case"] for g in gaps] == [f"NeMo-RL {r[0]} (step s)" for r in P.NEMO_ROWS]
+    name, model, nodes, t, p, ep, t_g, lp, ckpt, mean, step, _ = P.NEMO_ROWS[0]
+    plan = P.plan_overrides(P.nemo_overrides(model, nodes, t, p, t_g, lp, ep),
+                            Options(**P.NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean))
+    gen = next(s.seconds for s in plan.stages if s.name == "generate")
+    assert gaps[0]["planned_generation_s"] == pytest.approx(gen)
+    assert gaps[0]["ratio"] == pytest.approx((step - plan.step_s + gen) / gen)
+    case = next(c for c in result["cases"] if c["case"] == gaps[0]["case"])
+    assert case["predicted"] == pytest.approx(plan.step_s)
+
+
 def test_nemo_one_step_off_rows_are_planned_on_split_pools_as_one_step_off():
     """Each async row: generation on its own nodes, training on the rest, and its step the one-step-off overlap of
     the plan's own stage times (the larger of generation and training, then the weight sync), not their sum."""

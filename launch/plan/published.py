@@ -269,6 +269,22 @@ def nemo_cases() -> list[dict]:
     return out
 
 
+def colocated_generation_gaps() -> list[dict]:
+    """For each on-policy (colocated) NeMo-RL row: the planned generation, and what the published step leaves for
+    generation and colocation's own costs once every other planned stage is taken off (published step - planned
+    rest), and their ratio. A diagnosis printed beside the cases (docs/scale.md), not a case and not a correction:
+    nothing in the plan is scaled by it."""
+    out = []
+    for name, model, nodes, t, p, ep, t_g, lp_micro, ckpt, mean, step, _ in NEMO_ROWS:
+        opts = Options(**NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
+        plan = plan_overrides(nemo_overrides(model, nodes, t, p, t_g, lp_micro, ep), opts)
+        gen = next(s.seconds for s in plan.stages if s.name == "generate")
+        left = step - (plan.step_s - gen)
+        out.append({"case": f"NeMo-RL {name} (step s)", "planned_generation_s": gen,
+                    "published_minus_planned_rest_s": left, "ratio": left / gen})
+    return out
+
+
 def measured_cases() -> list[dict]:
     """docs/measured/*.json: {"case", "config" (a path under the repo), "overrides": [...], "options": {Options
     fields}, "metric": "step_s" | "tokens_per_gpu_s", "value", "source"}. None yet: this returns []."""
@@ -390,7 +406,8 @@ def against_published() -> dict:
     errors = [abs(c["rel_error"]) for c in numeric(cases)]
     sources = sorted({c["source"] for c in numeric(cases)})
     return {"cases": [*cases, *layout_cases()], "max_rel_error": max(errors),
-            "leave_one_source_out": leave_one_source_out(sources)}
+            "leave_one_source_out": leave_one_source_out(sources),
+            "colocated_generation_gap": colocated_generation_gaps()}
 
 
 def render_cases(result: dict) -> str:
@@ -414,11 +431,15 @@ def render_cases(result: dict) -> str:
                 layouts.append(["", "", "", "", f"with overlap: {c['why_overlapped']}"])
     loso = ", ".join(f"{k} {v:.1%}" if v is not None else f"{k} (no cases)"
                      for k, v in result["leave_one_source_out"].items())
+    gaps = [[g["case"], f"{g['planned_generation_s']:.1f}", f"{g['published_minus_planned_rest_s']:.1f}",
+             f"{g['ratio']:.2f}x"] for g in result["colocated_generation_gap"]]
     return "\n\n".join([
         table(["case", "source", "predicted", "published", "rel. error"], rows),
         "\n".join(notes),
         table(["layout (t, p, t_g)", "paper's, planned", "planner's choice", "with overlapped DP sync",
                "what decides"], layouts),
+        "colocated on-policy rows: the planned generation against what the published step leaves for it\n"
+        + table(["case", "planned generation s", "published - planned rest s", "ratio"], gaps),
         f"max |relative error| over the numeric cases: {result['max_rel_error']:.1%}\n"
         f"leave one source out (its cases with the EFFICIENCY entries it informed at their prior): {loso}"])
 
@@ -442,4 +463,10 @@ def render_markdown(result: dict) -> str:
                         f"{c['planner_choice_step_s']:.0f} s | {tuple(c['planner_choice_overlapped_grad_sync'])} |")
     loso = ", ".join(f"{k} {v:.0%}" for k, v in result["leave_one_source_out"].items() if v is not None)
     rows += ["", f"Max |error| {result['max_rel_error']:.0%}; leave one source out: {loso}."]
+    rows += ["", "| colocated on-policy row | planned generation | published step − planned rest | ratio |",
+             "|---|---|---|---|"]
+    for g in result["colocated_generation_gap"]:
+        rows.append(f"| {g['case'].removeprefix('NeMo-RL ').removesuffix(' (step s)')} | "
+                    f"{g['planned_generation_s']:.1f} s | {g['published_minus_planned_rest_s']:.1f} s | "
+                    f"{g['ratio']:.2f}x |")
     return "\n".join(rows)
