@@ -234,9 +234,7 @@ def test_colocated_generation_gap_is_computed_from_each_rows_own_plan(result):
     recomputed here from one row's plan. A diagnosis: the row's predicted step is the plan's, unscaled."""
     gaps = result["colocated_generation_gap"]
     assert [g["case"] for g in gaps] == [f"NeMo-RL {r[0]} (step s)" for r in P.NEMO_ROWS]
-    name, model, nodes, t, p, ep, t_g, lp, ckpt, mean, step, _ = P.NEMO_ROWS[0]
-    plan = P.plan_overrides(P.nemo_overrides(model, nodes, t, p, t_g, lp, ep),
-                            Options(**P.NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean))
+    step, plan = P.NEMO_ROWS[0][10], P.nemo_plan(P.NEMO_ROWS[0])
     gen = next(s.seconds for s in plan.stages if s.name == "generate")
     assert gaps[0]["planned_generation_s"] == pytest.approx(gen)
     assert gaps[0]["ratio"] == pytest.approx((step - plan.step_s + gen) / gen)

@@ -249,11 +249,18 @@ def verl_cases() -> list[dict]:
     return out
 
 
+def nemo_plan(row: tuple) -> Plan:
+    """The plan of one on-policy NeMo-RL row (NEMO_ROWS) with its recipe's setting."""
+    name, model, nodes, t, p, ep, t_g, lp_micro, ckpt, mean, step, _ = row
+    opts = Options(**NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
+    return plan_overrides(nemo_overrides(model, nodes, t, p, t_g, lp_micro, ep), opts)
+
+
 def nemo_cases() -> list[dict]:
     out = []
-    for name, model, nodes, t, p, ep, t_g, lp_micro, ckpt, mean, step, row in NEMO_ROWS:
-        opts = Options(**NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
-        plan = plan_overrides(nemo_overrides(model, nodes, t, p, t_g, lp_micro, ep), opts)
+    for nemo_row in NEMO_ROWS:
+        name, model, nodes, t, p, ep, t_g, lp_micro, ckpt, mean, step, row = nemo_row
+        plan = nemo_plan(nemo_row)
         out.append(case("nemo-rl", f"NeMo-RL {name} (step s)", plan.step_s, step, "seconds per step",
                         f"{row}; gen TP{t_g}, train TP{t} PP{p}{f' EP{ep}' if ep > 1 else ''}, "
                         f"{'activation checkpointing, ' if ckpt else ''}"
@@ -275,9 +282,8 @@ def colocated_generation_gaps() -> list[dict]:
     rest), and their ratio. A diagnosis printed beside the cases (docs/scale.md), not a case and not a correction:
     nothing in the plan is scaled by it."""
     out = []
-    for name, model, nodes, t, p, ep, t_g, lp_micro, ckpt, mean, step, _ in NEMO_ROWS:
-        opts = Options(**NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
-        plan = plan_overrides(nemo_overrides(model, nodes, t, p, t_g, lp_micro, ep), opts)
+    for row in NEMO_ROWS:
+        name, step, plan = row[0], row[10], nemo_plan(row)
         gen = next(s.seconds for s in plan.stages if s.name == "generate")
         left = step - (plan.step_s - gen)
         out.append({"case": f"NeMo-RL {name} (step s)", "planned_generation_s": gen,
