@@ -78,8 +78,13 @@ def _kill_tree(proc: subprocess.Popen, marker: str) -> None:
 
 
 def _run(cmd: list[str], log: Path, timeout: float = 600) -> None:
-    """Runs a trainer command (_cmd) on this pytest process's local Ray (conftest.local_ray), asserting it passed."""
+    """Runs a trainer command (_cmd) on this pytest process's local Ray (conftest.local_ray), asserting it passed.
+    The driver, like the run's Ray workers, is a fork of the zygote that local_ray started (tests/ray_zygote.py),
+    which skips its interpreter start-up and ~5 s of imports (torch, transformers); it imports ray itself."""
     cmd = [*cmd, f"trainer.ray.address={local_ray()}"]
+    sock = os.environ.get("HYBRIDFLOW_TEST_RAY_ZYGOTE")  # ray_zygote.SOCKET_ENV, set by local_ray's start()
+    if sock and cmd[0] == sys.executable:
+        cmd = [sys.executable, str(REPO / "tests" / "ray_zygote.py"), "--client", sock, *cmd[1:]]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, log.read_text()[-4000:]

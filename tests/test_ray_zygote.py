@@ -156,3 +156,32 @@ def test_a_signal_to_the_client_reaches_the_forked_process(tmp_path):
         assert proc.wait(timeout=30) == 7
     finally:
         proc.kill()
+
+
+def test_a_module_driver_through_the_client_sees_what_a_fresh_one_sees(tmp_path):
+    """test_e2e_trainer._run starts the trainer's driver (`python -m hybridflow.trainer.main ...`) through the client:
+    as a fork it must get the `-m` run a fresh interpreter gives it (run name, argv, sys.path[0] = the working
+    directory, its environment and exit status), with the imports already done."""
+    local_ray()
+    pkg = tmp_path / "probe_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(textwrap.dedent('''
+        import json, os, sys
+        print(json.dumps({"name": __name__, "argv": [os.path.basename(sys.argv[0]), *sys.argv[1:]],
+                          "path0": sys.path[0], "cwd": os.getcwd(), "probe": os.environ.get("DRIVER_PROBE"),
+                          "preloaded": "vllm" in sys.modules, "ppid": os.getppid()}), flush=True)
+        sys.exit(5)
+    '''))
+    env = {**os.environ, "DRIVER_PROBE": "seen"}
+    fresh = [sys.executable, "-m", "probe_pkg.main", "a", "b=c"]
+    forked = [sys.executable, ray_zygote.__file__, "--client", ray_zygote._server[1], *fresh[1:]]
+    out = {}
+    for kind, cmd in (("fresh", fresh), ("forked", forked)):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+        assert proc.returncode == 5, proc.stderr[-3000:]
+        out[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["forked"].pop("preloaded") and not out["fresh"].pop("preloaded")
+    assert out["fresh"].pop("ppid") == os.getpid() and out["forked"].pop("ppid") != os.getpid()
+    assert out["forked"] == out["fresh"] == {"name": "__main__", "argv": ["main.py", "a", "b=c"],
+                                             "path0": str(tmp_path), "cwd": str(tmp_path), "probe": "seen"}
