@@ -63,11 +63,12 @@ BEYOND_TARGET = {
             "Nothing in EFFICIENCY was set by looking at verl",
     "nemo-rl": "every on-policy (colocated) row is predicted short and both one-step-off rows (split pools, "
                "training-bound in the plan) long: the published steps imply that generation plus what colocation "
-               "adds (refit, vLLM's sleep and wake, offload around it) takes 1.4-1.9x the planned generation, a gap "
-               "no sourced term explains yet, so nothing is scaled for it (docs/scale.md); the MoE row has the largest "
-               "such gap (1.9x). It also plans its 128 experts of width 768, run as sequential GEMMs at v0.6.0, "
-               "at the dense train_mfu (40%), and routing as uniform (aux loss off: the busiest expert's rank sets "
-               "the pace): both are upper bounds on speed, and no source gives their MoE values",
+               "adds (refit, vLLM's sleep and wake, offload around it) takes well over the planned generation (the "
+               "colocated-gap table), a gap no sourced term explains yet, so nothing is scaled for it (docs/scale.md); "
+               "the MoE row has the largest such gap. It also plans its 128 experts of width 768, run as "
+               "sequential GEMMs at v0.6.0, at the dense train_mfu (40%), and routing as uniform (aux loss off: "
+               "the busiest expert's rank sets the pace): both are upper bounds on speed, and no source gives "
+               "their MoE values",
     "hybridflow-paper": "the paper's testbed inter-node efficiency is read from its own transition figures",
 }
 VERL_ASSUMED = ("prompt mean 105 (verl quickstart log); ASSUMED responses mean 250, p99 600; packed (remove_padding), "
@@ -79,10 +80,13 @@ VERL_ASSUMED = ("prompt mean 105 (verl quickstart log); ASSUMED responses mean 2
 # gpu_memory_utilization 0.6, colocated, sequence packing on, KL to the reference (so a ref pass) and prev-log-probs.
 # vLLM's max_num_seqs is its default: 1024 on an H100 (EngineArgs batch defaults for >= 70 GiB GPUs).
 # "G-Average Seq len" is the mean generated length: the rows' own tokens/s/GPU x step x GPUs / 2048 samples exceed
-# it by 104-132 tokens, the prompt. ASSUMED: prompt mean 120 (OpenMathInstruct-2 problem + template), budget 512
-# prompt + 3584 response, p99 at the budget (long-tailed math answers), optimizer state offloaded around
-# generation.
-NEMO_OPTIONS = dict(gpu="h100", packing="packed", max_num_seqs=1024, prompt_length_mean=120)
+# it by 104-132 tokens, the prompt. The response budget is what is left of the 4096: grpo_math_1B.yaml sets
+# max_new_tokens to max_total_sequence_length and vLLM's max_model_len to the same 4096, so a response stops at
+# 4096 minus its prompt ("real truncation occurs at vllm.max_model_len", its data.max_input_seq_length comment).
+# ASSUMED: prompt mean 120 (OpenMathInstruct-2 problem + template), so a 3976-token budget, p99 at the budget
+# (long-tailed math answers), optimizer state offloaded around generation.
+NEMO_TOTAL, NEMO_PROMPT = 4096, 120
+NEMO_OPTIONS = dict(gpu="h100", packing="packed", max_num_seqs=1024, prompt_length_mean=NEMO_PROMPT)
 
 
 def nemo_overrides(model: str, nodes: int, t: int, p: int, t_g: int, logprob_micro: int, ep: int = 1,
@@ -90,9 +94,10 @@ def nemo_overrides(model: str, nodes: int, t: int, p: int, t_g: int, logprob_mic
     a = "actor_rollout_ref"
     m = [f"tensor_model_parallel_size={t}", f"pipeline_model_parallel_size={p}", f"sequence_parallel={t > 1}",
          f"expert_model_parallel_size={ep}"]
-    out = ["data.train_batch_size=64", "data.max_prompt_length=512", "data.max_response_length=3584",
+    out = ["data.train_batch_size=64", f"data.max_prompt_length={NEMO_PROMPT}",
+           f"data.max_response_length={NEMO_TOTAL - NEMO_PROMPT}",
            f"{a}.model.path=models/{model}", f"{a}.model.dtype=bfloat16", f"{a}.rollout.n=32",
-           f"{a}.rollout.tensor_model_parallel_size={t_g}", f"{a}.rollout.response_length=3584",
+           f"{a}.rollout.tensor_model_parallel_size={t_g}", f"{a}.rollout.response_length={NEMO_TOTAL - NEMO_PROMPT}",
            f"{a}.rollout.kv_cache_memory_bytes=null",
            f"{a}.rollout.gpu_memory_utilization={gpu_memory_utilization}",
            f"{a}.rollout.log_prob_micro_batch_size_per_gpu={logprob_micro}",
