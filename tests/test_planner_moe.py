@@ -195,3 +195,32 @@ def test_decode_at_batch_one_against_vllm_on_an_a100():
             for name in ("Qwen3-30B-A3B", "Qwen3-1.7B")}
     assert tpot["Qwen3-30B-A3B"] == pytest.approx(9.6e-3, rel=0.02)
     assert tpot["Qwen3-1.7B"] == pytest.approx(4.6e-3, rel=0.10)
+
+
+def test_fine_grained_expert_efficiency_is_recomputed_from_megatron_bridge():
+    """moe_expert_mfu's source (Megatron-Bridge docs/performance-summary.md, 25.11, DGX-H100: Qwen3-30B-A3B
+    pretraining on 16 H100, sequence 4096, EP8, 5,275 tokens/s/GPU, 121 model TFLOP/s/GPU), by hand: our FLOPs per
+    token match theirs; the time per token less the rest of the model at train_mfu and the EP8 alltoall on NVLink
+    leaves the experts' FLOPs at the table's efficiency."""
+    q, peak, seq = shape("Qwen3-30B-A3B"), 989e12, 4096
+    experts = 48 * 8 * EXPERT  # k of E per layer
+    assert S.fine_expert_params(q) == experts
+    rest = 6 * (S.matmul_params(q) - experts) + 3 * 2 * seq * 4096 * 48  # + causal attention fwd+bwd (q width 4096)
+    assert rest + 6 * experts == pytest.approx(121e12 / 5275, rel=0.01)
+    alltoall = 4 * 48 * 8 * 2048 * 2 * 7 / 8 / (450e9 * S.eff("alltoall"))  # fwd+bwd dispatch+combine, bf16, EP8
+    left = 1 / 5275 - rest / (peak * S.eff("train_mfu")) - alltoall
+    assert 6 * experts / (peak * left) == pytest.approx(S.eff("moe_expert_mfu"), rel=0.01)
+
+
+def test_only_fine_grained_experts_run_at_the_expert_efficiency():
+    """Mixtral's experts (14336 wide, hidden 4096) are coarse: planned at train_mfu like a dense MLP. Qwen3-30B-A3B's
+    (768 wide, hidden 2048) are not: setting moe_expert_mfu to train_mfu gives back the all-dense plan."""
+    assert S.fine_expert_params(shape("Mixtral-8x7B-v0.1")) == 0.0
+    assert S.fine_expert_params(shape("Meta-Llama-3-8B")) == 0.0
+    plan = lambda: make_plan(QWEN_4N, [], Options(gpu="h100"))  # noqa: E731
+    train = lambda p: next(s.seconds for s in p.stages if s.name == "update_actor")  # noqa: E731
+    slow = train(plan())
+    with S.efficiency_overrides({"moe_expert_mfu": S.eff("train_mfu")}):
+        fast = train(plan())
+    # the experts are 1.81 of 3.04 B matmul parameters: their share of the math slows 0.40/0.077 = 5.2x
+    assert slow > 2 * fast

@@ -65,10 +65,8 @@ BEYOND_TARGET = {
                "training-bound in the plan) long: the published steps imply that generation plus what colocation "
                "adds (refit, vLLM's sleep and wake, offload around it) takes well over the planned generation (the "
                "colocated-gap table), a gap no sourced term explains yet, so nothing is scaled for it (docs/scale.md); "
-               "the MoE row has the largest such gap. It also plans its 128 experts of width 768, run as "
-               "sequential GEMMs at v0.6.0, at the dense train_mfu (40%), and routing as uniform (aux loss off: "
-               "the busiest expert's rank sets the pace): both are upper bounds on speed, and no source gives "
-               "their MoE values",
+               "the MoE row has the largest such gap. It also plans routing as uniform (aux loss off: the busiest "
+               "expert's rank sets the pace), an upper bound on speed that no source sizes",
     "hybridflow-paper": "the paper's testbed inter-node efficiency is read from its own transition figures",
 }
 VERL_ASSUMED = ("prompt mean 105 (verl quickstart log); ASSUMED responses mean 250, p99 600; packed (remove_padding), "

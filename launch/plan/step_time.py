@@ -113,6 +113,18 @@ EFFICIENCY: dict[str, Eff] = {
                           "kernels reach ~95% of NVLink, an upper bound); NVLink inside a node, the NIC across"),
     # One small all-reduce on NVLink: ~10-20 us (nccl-tests latency at 8 GPUs); decode does 2 per layer.
     "tp_allreduce_latency_s": Eff(15e-6, "small-message NCCL all-reduce latency on NVLink (nccl-tests)"),
+    # Fine-grained routed experts (narrower than the hidden size: Qwen3-MoE, Qwen2-MoE) are many small GEMMs, with
+    # the tokens' permutation and the router's work around them. Megatron-Bridge's docs/performance-summary.md
+    # (25.11 container, DGX-H100) measured Qwen3-30B-A3B pretraining on 16 H100 (FP8-CS, GBS 512, MBS 2, sequence
+    # 4096, TP1 PP2 VP24 EP8, routing force-balanced) at 5,275 tokens/s/GPU, 121 model TFLOP/s/GPU: the FLOPs per
+    # token agree with matmul_params and attention_flops_fwd within 1%. With the rest of the model at train_mfu and
+    # the EP8 alltoall on NVLink at `alltoall`, the experts' FLOPs ran at 7.7% of the bf16 peak
+    # (tests/test_planner_moe.py recomputes it from that row). ASSUMED: bf16 runs them no faster than that FP8 run
+    # did (FP8 only speeds GEMMs up), so this is an upper bound on their speed; coarse experts (Mixtral's, wider
+    # than the hidden size) stay at train_mfu. Used for training and for the log-prob forwards. Not chosen by
+    # looking at any published RL case.
+    "moe_expert_mfu": Eff(0.077, "fine-grained routed experts' FLOPs: Megatron-Bridge performance summary, "
+                                 "Qwen3-30B-A3B on 16 H100 at 5,275 tokens/s/GPU, the rest at train_mfu"),
 }
 
 # The leave-one-source-out check swaps entries here (efficiency_overrides); eff() reads through it.
@@ -186,6 +198,20 @@ def forward_flops(role: Role, seq: float, sequences: int) -> float:
     return sequences * (2 * matmul_params(role.shape, role.scalar_head) * seq + attention_flops_fwd(role.shape, seq))
 
 
+def fine_expert_params(shape) -> float:
+    """The routed-expert matmul parameters one token runs through (k of E per layer) when the experts are
+    fine-grained (narrower than the hidden size), else 0: their FLOPs run at EFFICIENCY moe_expert_mfu."""
+    if not shape.is_moe or shape.ffn_hidden_size >= shape.hidden_size:
+        return 0.0
+    return shape.num_layers * shape.moe_topk * M.expert_params(shape)
+
+
+def math_seconds(flops: float, expert_flops: float, gpus: int, peak: float, mfu: str) -> float:
+    """`flops` on `gpus` GPUs: the fine-grained experts' share (`expert_flops`, inside `flops`) at moe_expert_mfu,
+    the rest at `mfu`."""
+    return ((flops - expert_flops) / eff(mfu) + expert_flops / eff("moe_expert_mfu")) / (gpus * peak)
+
+
 def link_bytes_s(job: Job, group_span: int) -> float:
     """A group whose ranks span `group_span` consecutive ranks talks over NVLink inside a node, else over the NICs."""
     dev = job.device
@@ -255,11 +281,13 @@ def forward_pass(job: Job, role: Role, name: str) -> StageTime:
                                         f"communication included; {seq:.0f} tokens/row)", (("compute", compute),))
     comm = model_parallel_comm_s(job, role, 4, seq)
     a2a = dispatcher_comm_s(job, role, 2, seq)
-    compute = flops / (gpus * job.device.peak_flops * eff("forward_mfu"))
+    experts = 2 * fine_expert_params(role.shape) * seq * job.sequences
+    compute = math_seconds(flops, experts, gpus, job.device.peak_flops, "forward_mfu")
     bubble = _bubble(d.pp, m)
     sec = (compute + comm + a2a) * bubble
-    return StageTime(name, sec, f"{flops:.3g} FLOP on {gpus} GPUs at {eff('forward_mfu'):.0%} MFU ({seq:.0f} "
-                                f"tokens/row), TP/PP comm {comm:.1f} s"
+    return StageTime(name, sec, f"{flops:.3g} FLOP on {gpus} GPUs at {eff('forward_mfu'):.0%} MFU"
+                                + (f" (routed experts at {eff('moe_expert_mfu'):.1%})" if experts else "")
+                                + f" ({seq:.0f} tokens/row), TP/PP comm {comm:.1f} s"
                                 + (f", EP alltoall {a2a:.1f} s" if a2a else "") + f", bubble p={d.pp} m={m}",
                      (("compute", compute), ("TP/PP comm", comm), ("EP alltoall", a2a),
                       ("pipeline bubble", sec - compute - comm - a2a)))
@@ -286,7 +314,8 @@ def update(job: Job, role: Role, name: str) -> StageTime:
                                        f"included; {seq:.0f} tokens/row)", (("compute", math_s),))
     mp_comm = role.epochs * model_parallel_comm_s(job, role, 8 + (4 if opts.recompute == "full" else 0), seq)
     a2a = role.epochs * dispatcher_comm_s(job, role, 4 + (2 if opts.recompute == "full" else 0), seq)
-    math_s = flops / (job.world * job.device.peak_flops * eff("train_mfu"))
+    experts = role.epochs * 2 * fine_expert_params(role.shape) * seq * seqs * (3 + extra_fwd)
+    math_s = math_seconds(flops, experts, job.world, job.device.peak_flops, "train_mfu")
     compute = (math_s + mp_comm + a2a) * _bubble(d.pp, m, opts.vpp)
     steps = role.epochs * (job.prompts // role.mini_batch)
     n_rank = M.stage_params(role.shape, d.tp, d.pp, 0, role.scalar_head, d.ep, d.expert_tp)
@@ -301,8 +330,9 @@ def update(job: Job, role: Role, name: str) -> StageTime:
     comm = steps * sync_bytes / dp_link_bytes_s(job, role)
     if opts.overlap_grad_reduce:  # hidden behind the backward (2/3 of the math without recompute), what is left shows
         comm = max(0.0, comm - math_s * 2 / (3 + extra_fwd))
-    return StageTime(name, compute + comm, f"{flops:.3g} FLOP at {eff('train_mfu'):.0%} MFU ({seq:.0f} tokens/row), "
-                                           f"TP/PP comm {mp_comm:.1f} s"
+    return StageTime(name, compute + comm, f"{flops:.3g} FLOP at {eff('train_mfu'):.0%} MFU"
+                                           + (f" (routed experts at {eff('moe_expert_mfu'):.1%})" if experts else "")
+                                           + f" ({seq:.0f} tokens/row), TP/PP comm {mp_comm:.1f} s"
                                            + (f", EP alltoall {a2a:.1f} s" if a2a else "")
                                            + f", bubble p={d.pp} m={m} v={opts.vpp}; {steps} "
                                            f"optimizer steps, grad sync {comm:.2f} s",
