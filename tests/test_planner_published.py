@@ -357,3 +357,26 @@ def test_generation_waits_for_the_slowest_replica():
     assert not any(run.recomputed for run in runs)  # this recipe's KV cache holds every request of a replica
     per = [sum(n * model.step_s(b, kv) for b, n, kv in run.segments) for run in runs]
     assert decode == pytest.approx(max(per)) and max(per) > sum(per) / len(per)
+
+
+def test_v03_blog_stages_are_the_plans_own_stages_gathered(result):
+    """Each v0.3 blog row: its published stages add up to the published step less a few seconds of untimed work
+    (a check of the transcription), and each planned stage is the sum of the plan stages it maps to, recomputed
+    here from the row's own plan (the MoE row with expert TP1, as its config says)."""
+    from launch.plan import stage_breakdown as B
+
+    rows = result["stage_breakdown"]
+    assert [r["case"] for r in rows] == [row[0] for row in B.ROWS]
+    for row in B.ROWS:
+        assert 0 <= row[10] - sum(row[11].values()) <= 4, row[0]
+    moe = B.ROWS[3]
+    plan = B.plan_row(moe)
+    assert plan.job.roles["actor"].dims.expert_tp == 1 and plan.job.roles["actor"].dims.ep == 8
+    sec = {s.name: s.seconds for s in plan.stages}
+    got = {st["stage"]: st for st in rows[3]["stages"]}
+    assert got["get logprobs"]["planned_s"] == pytest.approx(sec["old_log_prob"] + sec["ref"])
+    assert got["refit"]["planned_s"] == pytest.approx(sec["transition"] + sec["offload"])
+    assert got["policy training"]["planned_s"] == pytest.approx(sec["update_actor"])
+    assert got["generation"]["ratio"] == pytest.approx(sec["generate"] / 78.0)
+    case = next(c for c in result["cases"] if c["case"] == f"NeMo-RL {moe[0]} (step s)")
+    assert case["predicted"] == pytest.approx(plan.step_s) and case["published"] == 167.0

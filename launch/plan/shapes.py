@@ -77,6 +77,9 @@ ALIASES = {"Meta-Llama-3-8B-Instruct": "Meta-Llama-3-8B", "Meta-Llama-3-70B-Inst
            # Llama 3.1 8B has Llama 3 8B's shape (it changes rope scaling and the context length only)
            "Llama-3.1-8B": "Meta-Llama-3-8B", "Llama-3.1-8B-Instruct": "Meta-Llama-3-8B",
            "Meta-Llama-3.1-8B-Instruct": "Meta-Llama-3-8B", "Llama-3-70B": "Meta-Llama-3-70B",
+           # and Llama 3.1 / 3.3 70B have Llama 3 70B's
+           "Llama-3.1-70B": "Meta-Llama-3-70B", "Llama-3.1-70B-Instruct": "Meta-Llama-3-70B",
+           "Llama-3.3-70B-Instruct": "Meta-Llama-3-70B",
            "Qwen2-7B-Instruct": "Qwen2-7B",
            "Llama-2-7b": "Llama-2-7b-hf", "Llama-2-13b": "Llama-2-13b-hf", "Llama-2-70b": "Llama-2-70b-hf",
            "CodeLlama-34b": "CodeLlama-34b-hf", "Llama-2-7b-chat-hf": "Llama-2-7b-hf",
