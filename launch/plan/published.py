@@ -63,13 +63,12 @@ BEYOND_TARGET = {
             "GRPO (the critic's forward and update, the offload traffic of this recipe) is where the plan is short. "
             "Nothing in EFFICIENCY was set by looking at verl",
     "nemo-rl": "the one NeMo-RL row beyond 25% is the v0.3 blog's Qwen3-30B-A3B, NeMo-RL's first Megatron MoE "
-               "release; its published stages (the stage table) put the missing time in training (planned 0.49 of "
-               "published) and the log-prob passes (0.63) as well as in refit and generation, where the v0.6 MoE row "
-               "is inside 25%. Every colocated row is short in generation and refit (planned generation 0.69-0.95 of "
-               "the blog's, refit 0.06-0.28): vLLM's sleep and wake, the weight copy and the math reward sit inside "
-               "those timers and no sourced term sizes them yet, so nothing is scaled for them (docs/scale.md). "
-               "Routing is planned uniform (aux loss off: the busiest expert's rank sets the pace), an upper bound "
-               "on speed that no source sizes",
+               "release; its published stages (the stage table below) put the missing time in training and the "
+               "log-prob passes as well as in refit and generation, where the v0.6 MoE row is inside 25%. Every "
+               "colocated row is short in generation and refit (the same table): vLLM's sleep and wake, the weight "
+               "copy and the math reward sit inside those timers and no sourced term sizes them yet, so nothing is "
+               "scaled for them (docs/scale.md). Routing is planned uniform (aux loss off: the busiest expert's rank "
+               "sets the pace), an upper bound on speed that no source sizes",
     "hybridflow-paper": "the paper's testbed inter-node efficiency is read from its own transition figures",
 }
 VERL_ASSUMED = ("prompt mean 105 (verl quickstart log); ASSUMED responses mean 250, p99 600; packed (remove_padding), "
