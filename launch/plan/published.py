@@ -89,11 +89,19 @@ NEMO_TOTAL, NEMO_PROMPT = 4096, 120
 NEMO_OPTIONS = dict(gpu="h100", packing="packed", max_num_seqs=1024, prompt_length_mean=NEMO_PROMPT)
 
 
+def nemo_options(mean: float, activation_checkpointing: bool) -> Options:
+    """A NeMo-RL row's planner options: NEMO_OPTIONS, its published mean response and its recompute."""
+    return Options(**NEMO_OPTIONS, recompute="full" if activation_checkpointing else "none",
+                   response_length_mean=mean)
+
+
 def nemo_overrides(model: str, nodes: int, t: int, p: int, t_g: int, logprob_micro: int, ep: int = 1,
-                   gpu_memory_utilization: float = 0.6, offload: bool = True) -> list[str]:
+                   gpu_memory_utilization: float = 0.6, offload: bool = True, etp: int | None = None) -> list[str]:
     a = "actor_rollout_ref"
     m = [f"tensor_model_parallel_size={t}", f"pipeline_model_parallel_size={p}", f"sequence_parallel={t > 1}",
          f"expert_model_parallel_size={ep}"]
+    if etp is not None:  # else Megatron's default, the training TP
+        m.append(f"expert_tensor_parallel_size={etp}")
     out = ["data.train_batch_size=64", f"data.max_prompt_length={NEMO_PROMPT}",
            f"data.max_response_length={NEMO_TOTAL - NEMO_PROMPT}",
            f"{a}.model.path=models/{model}", f"{a}.model.dtype=bfloat16", f"{a}.rollout.n=32",
@@ -257,8 +265,7 @@ def verl_cases() -> list[dict]:
 def nemo_plan(row: tuple) -> Plan:
     """The plan of one on-policy NeMo-RL row (NEMO_ROWS) with its recipe's setting."""
     name, model, nodes, t, p, ep, t_g, lp_micro, ckpt, mean, step, _ = row
-    opts = Options(**NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
-    return plan_overrides(nemo_overrides(model, nodes, t, p, t_g, lp_micro, ep), opts)
+    return plan_overrides(nemo_overrides(model, nodes, t, p, t_g, lp_micro, ep), nemo_options(mean, ckpt))
 
 
 def nemo_cases() -> list[dict]:
@@ -271,8 +278,8 @@ def nemo_cases() -> list[dict]:
                         f"{'activation checkpointing, ' if ckpt else ''}"
                         f"response mean {mean} (published), ASSUMED prompt 120 and p99 at the budget"))
     for name, model, nodes, gen_nodes, t, p, t_g, lp_micro, ckpt, mean, step, row in NEMO_ASYNC_ROWS:
-        opts = Options(**NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
-        plan = plan_overrides(nemo_async_overrides(model, nodes, gen_nodes, t, p, t_g, lp_micro), opts)
+        plan = plan_overrides(nemo_async_overrides(model, nodes, gen_nodes, t, p, t_g, lp_micro),
+                              nemo_options(mean, ckpt))
         out.append(case("nemo-rl", f"NeMo-RL {name} (step s)", plan.step_s, step, "seconds per step",
                         f"{row}; generation {8 * gen_nodes} GPUs at TP{t_g}, training {8 * (nodes - gen_nodes)} GPUs "
                         f"at TP{t} PP{p}{', activation checkpointing' if ckpt else ''}; one_step_off_policy (ASSUMED "

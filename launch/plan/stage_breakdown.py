@@ -18,7 +18,7 @@ Pure: plans only, no I/O.
 
 from __future__ import annotations
 
-from launch.plan import Options, Plan
+from launch.plan import Plan
 
 BLOG = "NeMo-RL v0.3 blog (2025-07-21): steps 22-29 averaged, max sequence 4096, 2048 rollouts, GBS 512, packing"
 
@@ -50,13 +50,11 @@ ROWS = [
 
 
 def plan_row(row: tuple) -> Plan:
-    from launch.plan.published import NEMO_OPTIONS, nemo_overrides, plan_overrides
+    from launch.plan.published import nemo_options, nemo_overrides, plan_overrides
 
     _, model, nodes, t, p, ep, etp, t_g, mem, mean, *_ = row
-    overrides = nemo_overrides(model, nodes, t, p, t_g, logprob_micro=4, ep=ep, gpu_memory_utilization=mem)
-    if etp is not None:
-        overrides += [f"actor_rollout_ref.{r}.megatron.expert_tensor_parallel_size={etp}" for r in ("actor", "ref")]
-    return plan_overrides(overrides, Options(**NEMO_OPTIONS, recompute="none", response_length_mean=mean))
+    overrides = nemo_overrides(model, nodes, t, p, t_g, logprob_micro=4, ep=ep, gpu_memory_utilization=mem, etp=etp)
+    return plan_overrides(overrides, nemo_options(mean, activation_checkpointing=False))
 
 
 def planned_stages(plan: Plan) -> dict[str, float]:
