@@ -27,6 +27,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,8 +73,23 @@ def environment() -> dict:
     return env
 
 
+def failure_cause(output: str, limit: int = 1500) -> str:
+    """What a failed torchrun job says went wrong: the last traceback a rank printed (its frames and exception),
+    not torchrun's own ChildFailedError report, which names no cause and comes last. The lent GPU gives one try
+    in a session, so the JSON line has to carry the reason. Falls back to the output's tail."""
+    lines = [re.sub(r"^\[rank\d+\]:\s?", "", ln) for ln in output.splitlines() if "arning" not in ln]
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")]
+    for start in reversed(starts):
+        block = lines[start:]
+        end = next((j for j, ln in enumerate(block) if j and ln and not ln[0].isspace()), len(block) - 1)
+        block = block[:end + 1]
+        if "ChildFailedError" not in block[-1]:
+            return "\n".join(block)[-limit:]
+    return "\n".join(lines)[-limit:]
+
+
 def torchrun(nproc: int, script: list[str], timeout: float, dry_run: bool) -> tuple[dict | list | None, str]:
-    """One torchrun job whose rank 0 writes JSON to the path after --out; (that JSON or None, the output tail)."""
+    """One torchrun job whose rank 0 writes JSON to the path after --out; (that JSON or None, its failure_cause)."""
     from hybridflow.ports import free_port  # stdlib only: the GPU machine has no Ray or vLLM
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
@@ -84,9 +100,8 @@ def torchrun(nproc: int, script: list[str], timeout: float, dry_run: bool) -> tu
         env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU even where a GPU is present
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-        tail = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines() if "arning" not in ln)[-1500:]
         text = Path(out).read_text() if proc.returncode == 0 and Path(out).stat().st_size else ""
-        return (json.loads(text) if text else None), tail
+        return (json.loads(text) if text else None), failure_cause(proc.stdout + proc.stderr)
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout:.0f} s"
     finally:
@@ -171,7 +186,7 @@ def compare_with_plan(planned: dict, measured: dict) -> dict:
 
 
 def check(dry_run: bool, timeout: float) -> dict:
-    """Every part; a part that fails reports its error tail instead of numbers."""
+    """Every part; a part that fails reports its error (failure_cause) instead of numbers."""
     import torch
 
     from hybridflow.models.tiny import save_tiny_model
@@ -192,8 +207,8 @@ def check(dry_run: bool, timeout: float) -> dict:
             if extra and not has_recompute_keys():
                 result[name] = {"skipped": "this build's MegatronConfig has no override_transformer_config"}
                 continue
-            row, tail = torchrun(1, [*bench, "--megatron-extra", json.dumps(extra)], timeout, dry_run)
-            result[name] = row if row is not None else {"error": tail}
+            row, cause = torchrun(1, [*bench, "--megatron-extra", json.dumps(extra)], timeout, dry_run)
+            result[name] = row if row is not None else {"error": cause}
             if name == "actor":
                 try:
                     result["planned"] = planner_prediction(str(model), size, "h200",
@@ -205,8 +220,8 @@ def check(dry_run: bool, timeout: float) -> dict:
                 except Exception as e:  # the planner must never hide the measurement
                     result["planned"] = {"error": f"{type(e).__name__}: {e}"}
     reshard = [str(Path(__file__).resolve()), "--reshard-worker"] + (["--tiny"] if dry_run else [])
-    row, tail = torchrun(max(gpus, 2 if dry_run else 1), reshard, timeout, dry_run)
-    result["reshard"] = row if row is not None else {"error": tail}
+    row, cause = torchrun(max(gpus, 2 if dry_run else 1), reshard, timeout, dry_run)
+    result["reshard"] = row if row is not None else {"error": cause}
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["ok"] = all("error" not in result[k] for k in ("actor", "actor_recompute", "reshard"))
     return result

@@ -90,12 +90,27 @@ def test_gpu_check_script_parses_and_refuses_a_cpu_only_machine():
     from launch import gpu_check
 
     repo = Path(__file__).resolve().parents[1]
-    assert subprocess.run(["bash", "-n", str(repo / "launch" / "gpu_check.sh")], timeout=30).returncode == 0
+    for script in ("gpu_check.sh", "gpu_check_wheels.sh"):
+        assert subprocess.run(["bash", "-n", str(repo / "launch" / script)], timeout=30).returncode == 0
     assert isinstance(gpu_check.has_recompute_keys(), bool)
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, str(repo / "launch" / "gpu_check.py")], capture_output=True, text=True,
                               timeout=120, cwd=repo)
         assert proc.returncode == 2 and "no CUDA device here; use --dry-run" in proc.stderr
+
+
+def test_gpu_check_reports_the_ranks_traceback_not_torchruns_summary():
+    """A failed part's JSON names its cause: the rank's last traceback, whatever torchrun prints after it."""
+    from launch.gpu_check import failure_cause
+
+    rank = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>', "    import omegaconf",
+            "ModuleNotFoundError: No module named 'omegaconf'"]
+    torchrun = ["Traceback (most recent call last):", '  File "run.py", line 9, in main', "    raise ChildFailedError(",
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=====", "Root Cause: rank 0"]
+    out = "\n".join(["starting", "[rank0]: " + rank[0], *rank[1:], "UserWarning: noise", *torchrun])
+    assert failure_cause(out) == "\n".join(rank)
+    assert failure_cause("no traceback at all\nexit 1") == "no traceback at all\nexit 1"
+    assert failure_cause("x" * 5000, limit=100) == "x" * 100
 
 
 def test_perf_means_average_the_padding_and_imbalance_metrics_over_the_steps_that_report_them():
