@@ -169,6 +169,16 @@ def planner_prediction(model_dir: str, size: dict, gpu: str = "h200", transforme
             "note": "planner: no offload, one optimizer step, full-length rows (the check's masks trim a little)"}
 
 
+def planned_gpu(env: dict) -> str:
+    """The planner's device for this run: the GPU that is here (H200 on the lent machine), the H200 on a dry run."""
+    from launch.plan.devices import UnknownDeviceError, device_key
+
+    try:
+        return device_key(env["device"]) if env.get("cuda") else "h200"
+    except UnknownDeviceError:
+        return "h200"
+
+
 def compare_with_plan(planned: dict, measured: dict) -> dict:
     """Relative errors (planned - measured) / measured, and whether each is inside PLAN_TARGETS."""
     out = {}
@@ -211,7 +221,7 @@ def check(dry_run: bool, timeout: float) -> dict:
             result[name] = row if row is not None else {"error": cause}
             if name == "actor":
                 try:
-                    result["planned"] = planner_prediction(str(model), size, "h200",
+                    result["planned"] = planner_prediction(str(model), size, planned_gpu(result["env"]),
                                                            result["env"]["transformer_engine"])
                     if dry_run:  # the plan is for the H200; a CPU run is not comparable, only the plumbing is
                         result["planned"]["note"] += "; dry run: planned for an H200, measured on CPU"

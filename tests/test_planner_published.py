@@ -312,12 +312,10 @@ def test_measured_json_becomes_a_case_and_absence_is_fine(tmp_path, monkeypatch)
 
 # ---- the GPU check's prediction -----------------------------------------------------------------------------------
 def test_gpu_check_prints_the_planners_prediction_for_its_config(tmp_path):
-    from hybridflow.models import tiny
+    from hybridflow.models.tiny import save_tiny_config
     from launch import gpu_check as G
 
-    cfg = tiny._model_config("llama", "medium", 103, tiny.build_tokenizer(), G.LLAMA_1B)
-    (tmp_path / "config.json").write_text(cfg.to_json_string())
-    planned = G.planner_prediction(str(tmp_path), G.FULL_SIZE)
+    planned = G.planner_prediction(str(save_tiny_config(tmp_path, preset="medium", **G.LLAMA_1B)), G.FULL_SIZE)
     mem = planned["memory_bytes"]
     n = mem["params"] / 2  # bf16
     assert n == pytest.approx(0.97e9, rel=0.02)
@@ -328,6 +326,37 @@ def test_gpu_check_prints_the_planners_prediction_for_its_config(tmp_path):
                                         "update_s": planned["update_s"] / 1.1})
     assert not cmp["memory"]["within"] and cmp["update"]["within"] and "logprob" not in cmp
     assert cmp["memory"]["rel_error"] == pytest.approx(1 / 1.2 - 1, abs=1e-4)
+
+
+def test_a_gpu_check_line_under_docs_measured_is_three_measured_cases(tmp_path, monkeypatch):
+    """The JSON line launch/gpu_check.sh prints on a GPU goes under docs/measured/ as it is: the planner is rerun for
+    its config on its device and compared with the actor's seconds (25%) and peak memory (10%)."""
+    from hybridflow.models.tiny import save_tiny_config
+    from launch import gpu_check as G
+
+    ref = G.planner_prediction(str(save_tiny_config(tmp_path / "ref", preset="medium", **G.LLAMA_1B)), G.FULL_SIZE,
+                               "a100")
+    env = {"torch": "2.11.0+cu130", "cuda": True, "transformer_engine": False, "device": "NVIDIA A100-SXM4-80GB"}
+    actor = {"update_s": 2.0, "logprob_s": 0.5, "device_peak_bytes": 20 * 2**30}
+    line = {"check": "launch/gpu_check", "dry_run": False, "env": env, "size": G.FULL_SIZE, "date": "2026-12-07",
+            "actor": actor, "ok": True}
+    measured = tmp_path / "measured"
+    measured.mkdir()
+    (measured / "2026-12-07-gpu_check.json").write_text(json.dumps(line))
+    monkeypatch.setattr(P, "MEASURED_DIR", measured)
+    update, logprob, memory = P.measured_cases()
+    assert [c["kind"] for c in (update, logprob, memory)] == ["measured"] * 3
+    assert update["predicted"] == pytest.approx(ref["update_s"]) and update["published"] == 2.0
+    assert update["rel_error"] == pytest.approx(ref["update_s"] / 2.0 - 1)
+    assert logprob["predicted"] == pytest.approx(ref["logprob_s"]) and logprob["published"] == 0.5
+    assert memory["predicted"] == pytest.approx(ref["peak_allocated_bytes"] / 2**30) and memory["published"] == 20
+    assert memory["target"] == 0.10 and "target" not in update  # the issue's memory target; time keeps TARGET
+    assert "2026-12-07-gpu_check.json" in update["setting"] and "A100" in update["setting"]
+    for bad, why in (({"dry_run": True}, "dry-run"), ({"env": {**env, "cuda": False}}, "CPU-only"),
+                     ({"actor": {"error": "ModuleNotFoundError: omegaconf"}}, "omegaconf")):
+        (measured / "2026-12-07-gpu_check.json").write_text(json.dumps({**line, **bad}))
+        with pytest.raises(ValueError, match=f"2026-12-07-gpu_check.json.*{why}"):
+            P.measured_cases()
 
 
 def test_lengths_dataclass_is_what_a_job_carries():

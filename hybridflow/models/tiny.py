@@ -220,6 +220,16 @@ def save_tiny_model(out_dir, preset: str = "tiny", arch: str = "llama", seed: in
     return out
 
 
+def save_tiny_config(out_dir, preset: str = "tiny", arch: str = "llama", **overrides) -> pathlib.Path:
+    """Write only the config.json that save_tiny_model would write (no weights): what the planner reads. A ~1B model's
+    weights take seconds and 4 GB to write; its shape takes nothing."""
+    tok = build_tokenizer()
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(_model_config(arch, preset, len(tok), tok, overrides).to_json_string())
+    return out
+
+
 def save_tiny_reward_model(out_dir, preset: str = "tiny", arch: str = "llama", seed: int = 0,
                            body_from=None, **overrides) -> pathlib.Path:
     """Write a scalar reward model: an HF *ForSequenceClassification (num_labels=1) + the char tokenizer.

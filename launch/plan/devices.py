@@ -61,6 +61,14 @@ DEVICES: dict[str, Device] = {
 }
 
 
+def device_key(cuda_name: str) -> str:
+    """The DEVICES key of a GPU as torch.cuda.get_device_name() names it ("NVIDIA H200" -> "h200")."""
+    for key in DEVICES:
+        if key.upper() in cuda_name.upper():
+            return key
+    raise UnknownDeviceError(f"device {cuda_name!r} is none the planner knows; known: {', '.join(DEVICES)}")
+
+
 def get_device(name: str, internode_gbps_per_node: float | None = None, gpus_per_node: int = 8) -> Device:
     """The table's device; `internode_gbps_per_node` replaces its network with a node-level figure (e.g. the
     HybridFlow paper's testbed: 200 Gb/s between machines, shared by 8 GPUs)."""
