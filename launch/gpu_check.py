@@ -14,9 +14,11 @@ Three parts, each in its own torchrun job (so one failure does not hide the othe
 The layer spec is what megatron_workers.model_builder picks: Transformer Engine when it imports, the local spec
 otherwise (reported as transformer_engine).
 
-Beside the actor's measurement the check prints the planner's prediction for the same config (`planned`: memory per
-component, the log-prob and update seconds) and `actor_vs_plan`: the relative errors against the targets (peak
-memory within 10%, step time within 25%). Nothing here has run on a GPU yet: the first run tells.
+Beside each actor part the check prints the planner's prediction for the same config (`planned`,
+`planned_recompute`: memory per component, the peak, the log-prob and update seconds) and `actor_vs_plan`,
+`actor_recompute_vs_plan`: the relative errors against the targets (peak memory within 10%, step time within 25%).
+Filed under docs/measured/, the line becomes kind-"measured" cases of `launch.plan --against-published`
+(published.gpu_check_cases). Nothing here has run on a GPU yet: the first run tells.
 """
 
 from __future__ import annotations
@@ -132,10 +134,18 @@ def reshard_worker(args) -> None:
 PLAN_TARGETS = {"memory": 0.10, "time": 0.25}
 
 
-def planner_overrides(model_dir: str, size: dict) -> list[str]:
+# The actor parts the check measures, each with the megatron keys bench_actor adds (--megatron-extra): the planner
+# reads the same keys (override_transformer_config's recompute) so each part gets its own plan.
+PARTS = {"actor": {}, "actor_recompute": {"override_transformer_config": RECOMPUTE}}
+
+
+def planner_overrides(model_dir: str, size: dict, megatron_extra: dict | None = None) -> list[str]:
     """The HybridFlow config of bench_actor's run: one GPU, TP1 PP1, distributed optimizer, no offload, one PPO
-    mini-batch of `batch` rows in micro-batches of `micro_batch`, no ref or critic (GRPO without KL)."""
+    mini-batch of `batch` rows in micro-batches of `micro_batch`, no ref or critic (GRPO without KL), plus the
+    part's megatron keys."""
     a = "actor_rollout_ref"
+    extra = [f"{a}.actor.megatron.override_transformer_config.{k}={v}"
+             for k, v in (megatron_extra or {}).get("override_transformer_config", {}).items()]
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[size["dtype"]]
     return [f"{a}.model.path={model_dir}", f"{a}.model.dtype={dtype}", "trainer.nnodes=1", "trainer.n_gpus_per_node=1",
             f"data.train_batch_size={size['batch']}", f"data.max_prompt_length={size['prompt_len']}",
@@ -145,10 +155,11 @@ def planner_overrides(model_dir: str, size: dict) -> list[str]:
             f"{a}.rollout.log_prob_micro_batch_size_per_gpu={size['micro_batch']}", f"{a}.rollout.n=1",
             f"{a}.rollout.kv_cache_memory_bytes={2**30}", "algorithm.adv_estimator=grpo",
             f"{a}.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
-            f"{a}.actor.megatron.use_distributed_optimizer=true"]
+            f"{a}.actor.megatron.use_distributed_optimizer=true", *extra]
 
 
-def planner_prediction(model_dir: str, size: dict, gpu: str = "h200", transformer_engine: bool = False) -> dict:
+def planner_prediction(model_dir: str, size: dict, gpu: str = "h200", transformer_engine: bool = False,
+                       megatron_extra: dict | None = None) -> dict:
     """launch.plan's numbers for the actor part of this check: memory per component on the GPU (params, grads,
     optimizer, the update's activations, the log-prob pass's working set) and the seconds of compute_log_prob and
     update_actor. torch.cuda.max_memory_allocated() sees what the caching allocator handed out, so the planned peak
@@ -157,15 +168,18 @@ def planner_prediction(model_dir: str, size: dict, gpu: str = "h200", transforme
     from launch.plan import Options, plan_config
     from launch.plan.step_time import forward_pass
 
-    plan = plan_config(load_config(None, planner_overrides(model_dir, size)),
+    plan = plan_config(load_config(None, planner_overrides(model_dir, size, megatron_extra)),
                        Options(gpu=gpu, kernels="te" if transformer_engine else "local"))
     comp = plan.memory.roles["actor"]
     stages = {s.name: s.seconds for s in plan.stages}
     state = sum(comp[k] for k in ("params", "grads", "optimizer"))
     return {"gpu": plan.job.device.name, "memory_bytes": {k: int(v) for k, v in comp.items()},
-            "peak_allocated_bytes": int(state + max(comp.get("activations", 0.0), comp.get("forward working", 0.0))),
+            # the update holds its activations plus, under full recompute, one layer's recomputed working set
+            # (launch/plan/fit.py's update stage); the log-prob pass its forward working set
+            "peak_allocated_bytes": int(state + max(comp.get("activations", 0.0) + comp.get("recompute working", 0.0),
+                                                    comp.get("forward working", 0.0))),
             "logprob_s": forward_pass(plan.job, plan.job.roles["actor"], "log_prob").seconds,
-            "update_s": stages["update_actor"],
+            "update_s": stages["update_actor"], "recompute": plan.job.options.recompute,
             "note": "planner: no offload, one optimizer step, full-length rows (the check's masks trim a little)"}
 
 
@@ -213,22 +227,22 @@ def check(dry_run: bool, timeout: float) -> dict:
                  "--batch", str(size["batch"]), "--micro-batch", str(size["micro_batch"]),
                  "--prompt-len", str(size["prompt_len"]), "--response-len", str(size["response_len"]),
                  "--reps", str(size["reps"])]
-        for name, extra in (("actor", {}), ("actor_recompute", {"override_transformer_config": RECOMPUTE})):
+        for name, extra in PARTS.items():
             if extra and not has_recompute_keys():
                 result[name] = {"skipped": "this build's MegatronConfig has no override_transformer_config"}
                 continue
             row, cause = torchrun(1, [*bench, "--megatron-extra", json.dumps(extra)], timeout, dry_run)
             result[name] = row if row is not None else {"error": cause}
-            if name == "actor":
-                try:
-                    result["planned"] = planner_prediction(str(model), size, planned_gpu(result["env"]),
-                                                           result["env"]["transformer_engine"])
-                    if dry_run:  # the plan is for the H200; a CPU run is not comparable, only the plumbing is
-                        result["planned"]["note"] += "; dry run: planned for an H200, measured on CPU"
-                    else:
-                        result["actor_vs_plan"] = compare_with_plan(result["planned"], row or {})
-                except Exception as e:  # the planner must never hide the measurement
-                    result["planned"] = {"error": f"{type(e).__name__}: {e}"}
+            planned = "planned" + name.removeprefix("actor")  # planned, planned_recompute
+            try:
+                result[planned] = planner_prediction(str(model), size, planned_gpu(result["env"]),
+                                                     result["env"]["transformer_engine"], extra)
+                if dry_run:  # the plan is for the H200; a CPU run is not comparable, only the plumbing is
+                    result[planned]["note"] += "; dry run: planned for an H200, measured on CPU"
+                else:
+                    result[f"{name}_vs_plan"] = compare_with_plan(result[planned], row or {})
+            except Exception as e:  # the planner must never hide the measurement
+                result[planned] = {"error": f"{type(e).__name__}: {e}"}
     reshard = [str(Path(__file__).resolve()), "--reshard-worker"] + (["--tiny"] if dry_run else [])
     row, cause = torchrun(max(gpus, 2 if dry_run else 1), reshard, timeout, dry_run)
     result["reshard"] = row if row is not None else {"error": cause}

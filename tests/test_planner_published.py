@@ -321,6 +321,20 @@ def test_gpu_check_prints_the_planners_prediction_for_its_config(tmp_path):
     assert n == pytest.approx(0.97e9, rel=0.02)
     assert mem["grads"] == 4 * n and mem["optimizer"] == 12 * n  # fp32 grads; fp32 main + Adam, dp 1
     assert planned["peak_allocated_bytes"] == 18 * n + mem["activations"]
+    # With full recompute the peak is the planner's own update_actor phase (launch/plan/fit.py), less the framework
+    # reserve that torch.cuda.max_memory_allocated() does not see: the layer inputs plus one layer recomputed.
+    from hybridflow.config.load import load_config
+    from launch.plan import plan_config
+
+    extra = G.PARTS["actor_recompute"]
+    recompute = G.planner_prediction(str(tmp_path), G.FULL_SIZE, megatron_extra=extra)
+    plan = plan_config(load_config(None, G.planner_overrides(str(tmp_path), G.FULL_SIZE, extra)),
+                       Options(gpu="h200", kernels="local"))
+    (phase,) = [ph for ph in plan.memory.phases if ph.name == "update_actor"]
+    assert recompute["peak_allocated_bytes"] == pytest.approx(
+        sum(b for _, comp, b in phase.items if comp != "framework reserve"), abs=1)
+    assert recompute["memory_bytes"]["recompute working"] > 0
+    assert recompute["peak_allocated_bytes"] < planned["peak_allocated_bytes"]
     assert planned["update_s"] > planned["logprob_s"] > 0
     cmp = G.compare_with_plan(planned, {"device_peak_bytes": planned["peak_allocated_bytes"] * 1.2,
                                         "update_s": planned["update_s"] / 1.1})
@@ -328,23 +342,27 @@ def test_gpu_check_prints_the_planners_prediction_for_its_config(tmp_path):
     assert cmp["memory"]["rel_error"] == pytest.approx(1 / 1.2 - 1, abs=1e-4)
 
 
-def test_a_gpu_check_line_under_docs_measured_is_three_measured_cases(tmp_path, monkeypatch):
+def test_a_gpu_check_line_under_docs_measured_is_three_measured_cases_per_part(tmp_path, monkeypatch):
     """The JSON line launch/gpu_check.sh prints on a GPU goes under docs/measured/ as it is: the planner is rerun for
-    its config on its device and compared with the actor's seconds (25%) and peak memory (10%)."""
+    its config on its device and compared with each actor part's seconds (25%) and peak memory (10%)."""
     from hybridflow.models.tiny import save_tiny_config
     from launch import gpu_check as G
 
-    ref = G.planner_prediction(str(save_tiny_config(tmp_path / "ref", preset="medium", **G.LLAMA_1B)), G.FULL_SIZE,
-                               "a100")
+    ref_dir = str(save_tiny_config(tmp_path / "ref", preset="medium", **G.LLAMA_1B))
+    ref = G.planner_prediction(ref_dir, G.FULL_SIZE, "a100")
+    ref_rc = G.planner_prediction(ref_dir, G.FULL_SIZE, "a100", megatron_extra=G.PARTS["actor_recompute"])
+    assert ref_rc["recompute"] == "full" and ref["recompute"] == "none"
+    assert ref_rc["update_s"] > ref["update_s"] and ref_rc["peak_allocated_bytes"] < ref["peak_allocated_bytes"]
     env = {"torch": "2.11.0+cu130", "cuda": True, "transformer_engine": False, "device": "NVIDIA A100-SXM4-80GB"}
     actor = {"update_s": 2.0, "logprob_s": 0.5, "device_peak_bytes": 20 * 2**30}
     line = {"check": "launch/gpu_check", "dry_run": False, "env": env, "size": G.FULL_SIZE, "date": "2026-12-07",
-            "actor": actor, "ok": True}
+            "actor": actor, "actor_recompute": {"skipped": "no override_transformer_config"}, "ok": True}
     measured = tmp_path / "measured"
     measured.mkdir()
-    (measured / "2026-12-07-gpu_check.json").write_text(json.dumps(line))
+    path = measured / "2026-12-07-gpu_check.json"
+    path.write_text(json.dumps(line))
     monkeypatch.setattr(P, "MEASURED_DIR", measured)
-    update, logprob, memory = P.measured_cases()
+    update, logprob, memory = P.measured_cases()  # the skipped part adds nothing
     assert [c["kind"] for c in (update, logprob, memory)] == ["measured"] * 3
     assert update["predicted"] == pytest.approx(ref["update_s"]) and update["published"] == 2.0
     assert update["rel_error"] == pytest.approx(ref["update_s"] / 2.0 - 1)
@@ -352,9 +370,14 @@ def test_a_gpu_check_line_under_docs_measured_is_three_measured_cases(tmp_path, 
     assert memory["predicted"] == pytest.approx(ref["peak_allocated_bytes"] / 2**30) and memory["published"] == 20
     assert memory["target"] == 0.10 and "target" not in update  # the issue's memory target; time keeps TARGET
     assert "2026-12-07-gpu_check.json" in update["setting"] and "A100" in update["setting"]
+    path.write_text(json.dumps({**line, "actor_recompute": {**actor, "update_s": 3.0}}))
+    cases = P.measured_cases()
+    assert len(cases) == 6 and cases[3]["case"] == "GPU check: actor, full recompute update (s)"
+    assert cases[3]["predicted"] == pytest.approx(ref_rc["update_s"]) and cases[3]["published"] == 3.0
+    assert cases[5]["predicted"] == pytest.approx(ref_rc["peak_allocated_bytes"] / 2**30)
     for bad, why in (({"dry_run": True}, "dry-run"), ({"env": {**env, "cuda": False}}, "CPU-only"),
                      ({"actor": {"error": "ModuleNotFoundError: omegaconf"}}, "omegaconf")):
-        (measured / "2026-12-07-gpu_check.json").write_text(json.dumps({**line, **bad}))
+        path.write_text(json.dumps({**line, **bad}))
         with pytest.raises(ValueError, match=f"2026-12-07-gpu_check.json.*{why}"):
             P.measured_cases()
 

@@ -311,36 +311,46 @@ def colocated_generation_gaps() -> list[dict]:
 
 
 def gpu_check_cases(line: dict, name: str) -> list[dict]:
-    """One launch/gpu_check.sh line (a CUDA run) against the planner as it is now, for the same config: the actor's
-    update and log-prob seconds (time target) and its peak allocated memory (the issue's 10% memory target). The
-    plan is recomputed, not read from the line, so a planner change shows here; the line's own `planned` is what the
-    planner said on the day."""
+    """One launch/gpu_check.sh line (a CUDA run) against the planner as it is now, for the same config: for each
+    actor part it measured (plain, and with full recompute), the update and log-prob seconds (time target) and the
+    peak allocated memory (the issue's 10% memory target). The plan is recomputed, not read from the line, so a
+    planner change shows here; the line's own `planned` is what the planner said on the day."""
     import tempfile
 
     from hybridflow.models.tiny import save_tiny_config
-    from launch.gpu_check import PLAN_TARGETS, planner_prediction
+    from launch.gpu_check import PARTS, PLAN_TARGETS, planner_prediction
     from launch.plan.devices import device_key
 
-    env, size, actor = line.get("env", {}), line.get("size", {}), line.get("actor", {})
+    env, size = line.get("env", {}), line.get("size", {})
     if line.get("dry_run") or not env.get("cuda"):
         raise ValueError(f"docs/measured/{name}: a --dry-run or CPU-only gpu_check line measures no GPU; "
                          "only `bash launch/gpu_check.sh` on a CUDA machine belongs here")
-    if "update_s" not in actor:
-        raise ValueError(f"docs/measured/{name}: its actor part failed ({str(actor.get('error', actor))[-300:]}); "
+    if "update_s" not in line.get("actor", {}):
+        raise ValueError(f"docs/measured/{name}: its actor part failed "
+                         f"({str(line.get('actor', {}).get('error', line.get('actor')))[-300:]}); "
                          "a failed check has nothing to compare")
-    with tempfile.TemporaryDirectory(prefix="gpu_check_plan_") as tmp:
-        save_tiny_config(tmp, preset=size["preset"], **size["model"])
-        planned = planner_prediction(tmp, size, device_key(env["device"]), env.get("transformer_engine", False))
     setting = (f"docs/measured/{name}: {env['device']}, {line.get('date', '')}; launch/gpu_check.sh's actor "
                f"(~0.97B Llama, {size['dtype']}, TP1, batch {size['batch']} x {size['prompt_len']}+"
                f"{size['response_len']}, micro-batch {size['micro_batch']}, median of {size['reps']})")
-    return [case("measured", "GPU check: actor update (s)", planned["update_s"], actor["update_s"],
-                 "seconds of update_actor", setting, kind="measured", target=PLAN_TARGETS["time"]),
-            case("measured", "GPU check: actor log-prob pass (s)", planned["logprob_s"], actor["logprob_s"],
-                 "seconds of compute_log_prob", setting, kind="measured", target=PLAN_TARGETS["time"]),
-            case("measured", "GPU check: actor peak memory (GiB)", planned["peak_allocated_bytes"] / 2**30,
-                 actor["device_peak_bytes"] / 2**30, "GiB, torch.cuda.max_memory_allocated()", setting,
-                 kind="measured", target=PLAN_TARGETS["memory"])]
+    out = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_plan_") as tmp:
+        save_tiny_config(tmp, preset=size["preset"], **size["model"])
+        for part, extra in PARTS.items():
+            measured = line.get(part, {})
+            if "update_s" not in measured:  # skipped (no recompute keys in that build) or failed: nothing to compare
+                continue
+            planned = planner_prediction(tmp, size, device_key(env["device"]), env.get("transformer_engine", False),
+                                         extra)
+            label = "actor" + (f", {planned['recompute']} recompute" if planned["recompute"] != "none" else "")
+            out += [case("measured", f"GPU check: {label} update (s)", planned["update_s"], measured["update_s"],
+                         "seconds of update_actor", setting, kind="measured", target=PLAN_TARGETS["time"]),
+                    case("measured", f"GPU check: {label} log-prob pass (s)", planned["logprob_s"],
+                         measured["logprob_s"], "seconds of compute_log_prob", setting, kind="measured",
+                         target=PLAN_TARGETS["time"]),
+                    case("measured", f"GPU check: {label} peak memory (GiB)", planned["peak_allocated_bytes"] / 2**30,
+                         measured["device_peak_bytes"] / 2**30, "GiB, torch.cuda.max_memory_allocated()", setting,
+                         kind="measured", target=PLAN_TARGETS["memory"])]
+    return out
 
 
 def measured_cases() -> list[dict]:
