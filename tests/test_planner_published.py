@@ -375,6 +375,9 @@ def test_a_gpu_check_line_under_docs_measured_is_three_measured_cases_per_part(t
     assert len(cases) == 6 and cases[3]["case"] == "GPU check: actor, full recompute update (s)"
     assert cases[3]["predicted"] == pytest.approx(ref_rc["update_s"]) and cases[3]["published"] == 3.0
     assert cases[5]["predicted"] == pytest.approx(ref_rc["peak_allocated_bytes"] / 2**30)
+    inside = sum(abs(c["rel_error"]) <= (0.10 if "memory" in c["case"] else 0.25) for c in cases)
+    assert f"6 cases from docs/measured/, {inside} inside their targets" in P.measured_summary({"cases": cases})
+    assert "none filed under docs/measured/" in P.measured_summary({"cases": []})
     for bad, why in (({"dry_run": True}, "dry-run"), ({"env": {**env, "cuda": False}}, "CPU-only"),
                      ({"actor": {"error": "ModuleNotFoundError: omegaconf"}}, "omegaconf")):
         path.write_text(json.dumps({**line, **bad}))

@@ -518,7 +518,19 @@ def render_cases(result: dict) -> str:
         f"published stages against the planned ones ({BLOG}; refit = our transition + offload traffic)\n"
         + table(["case", "stage", "planned s", "published s", "planned/published"], stages),
         f"max |relative error| over the numeric cases: {result['max_rel_error']:.1%}\n"
-        f"leave one source out (its cases with the EFFICIENCY entries it informed at their prior): {loso}"])
+        f"leave one source out (its cases with the EFFICIENCY entries it informed at their prior): {loso}\n"
+        + measured_summary(result)])
+
+
+def measured_summary(result: dict) -> str:
+    """One line on our own GPU measurements: how many cases, how many inside their targets, or that none is filed."""
+    measured = [c for c in result["cases"] if c["kind"] == "measured"]
+    if not measured:
+        return ("measured on a GPU: none filed under docs/measured/ yet (launch/README.md, \"GPU check\", says how "
+                "to take one when a GPU is lent)")
+    inside = sum(abs(c["rel_error"]) <= c.get("target", TARGET) for c in measured)
+    return (f"measured on a GPU: {len(measured)} cases from docs/measured/, {inside} inside their targets, max error "
+            f"{max(abs(c['rel_error']) for c in measured):.1%}")
 
 
 DOC_BEGIN, DOC_END = "<!-- against-published:begin -->", "<!-- against-published:end -->"
