@@ -321,13 +321,12 @@ def gpu_check_cases(line: dict, name: str) -> list[dict]:
     from launch.gpu_check import PARTS, PLAN_TARGETS, planner_prediction
     from launch.plan.devices import device_key
 
-    env, size = line.get("env", {}), line.get("size", {})
+    env, size, actor = line.get("env", {}), line.get("size", {}), line.get("actor", {})
     if line.get("dry_run") or not env.get("cuda"):
         raise ValueError(f"docs/measured/{name}: a --dry-run or CPU-only gpu_check line measures no GPU; "
                          "only `bash launch/gpu_check.sh` on a CUDA machine belongs here")
-    if "update_s" not in line.get("actor", {}):
-        raise ValueError(f"docs/measured/{name}: its actor part failed "
-                         f"({str(line.get('actor', {}).get('error', line.get('actor')))[-300:]}); "
+    if "update_s" not in actor:
+        raise ValueError(f"docs/measured/{name}: its actor part failed ({str(actor.get('error', actor))[-300:]}); "
                          "a failed check has nothing to compare")
     setting = (f"docs/measured/{name}: {env['device']}, {line.get('date', '')}; launch/gpu_check.sh's actor "
                f"(~0.97B Llama, {size['dtype']}, TP1, batch {size['batch']} x {size['prompt_len']}+"
