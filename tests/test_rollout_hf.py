@@ -195,7 +195,7 @@ def test_hf_rollout_from_a_path_is_one_replica(tiny):
     assert (rollout.replica_rank, rollout.num_replicas, rollout.is_replica_leader) == (0, 1, True)
 
 
-def test_remove_own_shm_segments_only_touches_this_rank_and_job(tmp_path, monkeypatch):
+def test_unlink_segment_removes_only_that_ranks_name(tmp_path, monkeypatch):
     from hybridflow.rollout import vllm_launch
 
     monkeypatch.setattr(vllm_launch, "SHM_DIR", str(tmp_path))
@@ -203,5 +203,6 @@ def test_remove_own_shm_segments_only_touches_this_rank_and_job(tmp_path, monkey
              "hybridflow-xyz-tp:0-[0-1]-cpushm_0", "other_0"]
     for n in names:
         (tmp_path / n).write_bytes(b"")
-    assert vllm_launch.remove_own_shm_segments("abc", 0) == [names[0]]
+    assert vllm_launch.unlink_segment("hybridflow-abc-tp:0-[0-1]-cpushm", 0)
+    assert not vllm_launch.unlink_segment("hybridflow-abc-tp:0-[0-1]-cpushm", 0)  # gone already: no error
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

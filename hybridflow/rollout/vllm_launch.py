@@ -151,28 +151,11 @@ def engine_memory_kwargs(gpu_memory_utilization: float, kv_cache_memory_bytes: i
 
 
 SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "hybridflow-"  # every segment of ours starts so; tests/conftest.py watches for them
 
 
 def _segment_prefix(token: str) -> str:
-    return f"hybridflow-{token}-"
-
-
-def remove_own_shm_segments(token: str, group_rank: int) -> list[str]:
-    """Unlinks this rank's shm segments of the job `token` (name ends in _<rank in the TP group>).
-
-    vLLM unlinks them when the engine is shut down explicitly, but not when a process exits with
-    the engine alive; unique names then leak 4 MiB per rank and job in /dev/shm. Peers that
-    still map a segment keep their mapping; only the name goes.
-    """
-    removed = []
-    if not os.path.isdir(SHM_DIR):
-        return removed
-    for name in os.listdir(SHM_DIR):
-        if name.startswith(_segment_prefix(token)) and name.endswith(f"-cpushm_{group_rank}"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-    return removed
+    return f"{SEGMENT_PREFIX}{token}-"
 
 
 def job_token() -> str:
@@ -191,9 +174,19 @@ def job_token() -> str:
     return f"{os.environ.get('MASTER_ADDR', 'local')}_{os.environ.get('MASTER_PORT', '0')}".replace("/", "_")
 
 
+def unlink_segment(group_name: str, rank: int) -> bool:
+    """Removes the name of one rank's segment ("<group name>_<rank>"); True if it was there. Processes that map
+    the segment keep their mapping: only the name goes."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, f"{group_name}_{rank}"))
+        return True
+    except FileNotFoundError:
+        return False
+
+
 @contextlib.contextmanager
 def cpu_shm_communicator(token: str | None) -> Iterator[None]:
-    """Scopes how vLLM's CPU shared-memory TP communicator names its /dev/shm segments.
+    """Scopes how vLLM's CPU shared-memory TP communicator names its /dev/shm segments, and removes the names.
 
     vLLM 0.32 names them from VLLM_DIST_IDENT, which external_launcher always derives from
     "env://", so every job on a node uses the same names ("tp:0-[0-1]-cpushm_<rank>"): two jobs
@@ -201,6 +194,11 @@ def cpu_shm_communicator(token: str | None) -> Iterator[None]:
     the next start fail with EEXIST. With a token, names are unique per job; with None, the shm
     communicator is off and TP collectives use the gloo group instead. Only the communicator's
     construction reads the name, so patching during engine creation is enough.
+
+    Each rank creates its own segment, then every rank maps every peer's, and a barrier closes the construction;
+    from then on the names serve nobody. So each rank unlinks its own name right there: a segment lives exactly
+    as long as the processes that map it, and a worker killed with SIGKILL (a trainer's teardown, a crash) leaves
+    nothing in /dev/shm, where a name kept until an orderly shutdown leaked 4 MiB per rank and job.
     """
     try:
         from vllm.distributed.device_communicators import cpu_communicator as cc
@@ -209,22 +207,31 @@ def cpu_shm_communicator(token: str | None) -> Iterator[None]:
         return
     shm_cls, comm_cls = getattr(cc, "_CPUSHMDistributed", None), getattr(cc, "CpuCommunicator", None)
     check = "_all_group_ranks_share_shm_group_name"
-    if shm_cls is None or not hasattr(shm_cls, "make_group_name") or not hasattr(comm_cls, check):
+    if (shm_cls is None or not hasattr(shm_cls, "make_group_name") or not hasattr(shm_cls, "_init_cpu_shm")
+            or not hasattr(comm_cls, check)):
         logger.warning("vLLM's CPU shm communicator changed shape; leaving its segment names alone")
         yield
         return
-    original_name, original_check = shm_cls.__dict__["make_group_name"], comm_cls.__dict__[check]
+    original_name, original_init = shm_cls.__dict__["make_group_name"], shm_cls.__dict__["_init_cpu_shm"]
+    original_check = comm_cls.__dict__[check]
 
     def unique_name(communicator) -> str:
         ranks = "-".join(str(r) for r in communicator.ranks)
         return f"{_segment_prefix(token)}{communicator.unique_name}-[{ranks}]-cpushm".replace("/", "_")
 
+    def init_then_unlink(self) -> int:
+        handle = original_init(self)  # ends on a barrier after every rank joined every peer's segment
+        unlink_segment(self.group_name, self.communicator.rank)
+        return handle
+
     if token is None:
         setattr(comm_cls, check, lambda self: False)
     else:
         shm_cls.make_group_name = staticmethod(unique_name)
+        shm_cls._init_cpu_shm = init_then_unlink
     try:
         yield
     finally:
         shm_cls.make_group_name = original_name
+        shm_cls._init_cpu_shm = original_init
         setattr(comm_cls, check, original_check)

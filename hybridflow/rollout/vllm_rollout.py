@@ -20,7 +20,6 @@ import contextlib
 import logging
 import random
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,26 +29,14 @@ from hybridflow.config.schema import RolloutConfig
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingSettings, prompt_token_lists
 from hybridflow.rollout.output import assemble_rollout_output
-from hybridflow.rollout.vllm_launch import (
-    cpu_shm_communicator,
-    engine_memory_kwargs,
-    job_token,
-    prepare_cpu_threads,
-    prepare_distributed_env,
-    remove_own_shm_segments,
-)
+from hybridflow.rollout.vllm_engine import build_llm, on_cuda, shutdown_llm
+from hybridflow.rollout.vllm_launch import engine_memory_kwargs, prepare_cpu_threads, prepare_distributed_env
 
 logger = logging.getLogger(__name__)
 _memory_notes_logged: set[str] = set()  # once per process, not once per engine
 
 # (vllm_model, iterator of (hf_name, full tensor)) -> None. The resharding engine's GPU path.
 WeightLoader = Callable[[torch.nn.Module, Iterable[tuple[str, torch.Tensor]]], None]
-
-
-def _on_cuda() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cuda_alike()
 
 
 class VLLMRollout(Rollout):
@@ -98,15 +85,14 @@ class VLLMRollout(Rollout):
         self.rank = info.rank
         replicas = info.world_size // t_g
 
-        # Imported here: vLLM's import costs ~13 s and must come after the env is prepared.
-        import vllm
-
+        # vLLM itself is imported only from here on (on_cuda, build_llm): its import costs ~13 s and must come after
+        # the env is prepared.
         from hybridflow.precision import resolve as resolve_dtype
         from hybridflow.rollout.vllm_logs import quiet_routine_reload_logs
 
         quiet_routine_reload_logs()  # its per-step reload lines would bury the driver's progress bar
 
-        on_gpu = _on_cuda()
+        on_gpu = on_cuda()
         self.device_type = "cuda" if on_gpu else "cpu"
         self.threads = None
         # torch.set_num_threads is swapped for a no-op by vLLM's CPU worker; set ours first and
@@ -145,28 +131,23 @@ class VLLMRollout(Rollout):
         kwargs.update(engine_kwargs or {})
 
         ctx = group_order() if callable(group_order) else group_order
-        # A collective on the world group when it exists: every rank builds its engine here.
-        shm_token = job_token() if cpu_shm_allreduce and not on_gpu else None
-        shm = cpu_shm_communicator(shm_token) if not on_gpu else None
         start = time.perf_counter()
         try:
             # vLLM seeds python/numpy/torch RNGs of the whole process at start; the colocated
             # trainer's RNG streams must not be reset by building a rollout engine.
-            with ctx or contextlib.nullcontext(), shm or contextlib.nullcontext(), _preserved_rng(on_gpu):
-                self.llm = vllm.LLM(**kwargs)
+            built = build_llm(kwargs, shm_allreduce=cpu_shm_allreduce,
+                              around=[ctx or contextlib.nullcontext(), _preserved_rng(on_gpu)])
         finally:
             torch.set_num_threads = original_set_num_threads
+        self.llm = built.llm
+        self.shm_token, self.shm_active = built.shm_token, built.shm_active
         self.engine_start_s = time.perf_counter() - start
         if not on_gpu:
             eager_token_ranks()
 
-        import torch.distributed as dist
         from vllm.distributed import parallel_state
 
         tp_group = parallel_state.get_tp_group()
-        self.shm_token = shm_token
-        shm_segments = (shm_token, dist.get_rank(tp_group.cpu_group)) if shm_token and t_g > 1 else None
-        _make_teardown_keep_process_groups(self.llm, shm_segments)
 
         # Read the layout back from vLLM rather than recomputing it: group_order may reorder it.
         self.tp_rank = tp_group.rank_in_group
@@ -393,7 +374,7 @@ class VLLMRollout(Rollout):
         torch.distributed default group stay: the trainer keeps using them, the next engine reuses them."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core._finalizer()  # the group-keeping teardown installed at start
+            shutdown_llm(llm)
             del llm
 
 
@@ -428,47 +409,6 @@ def _preserved_rng(on_gpu: bool):
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
-
-
-@contextlib.contextmanager
-def _keep_process_groups():
-    """vLLM's EngineCore.shutdown ends with cleanup_dist_env_and_memory(), which destroys the
-    torch.distributed default group: in a colocated worker that is the trainer's group, and the
-    other ranks then hang in their next collective. During our teardown it drops only vLLM's
-    model-parallel groups."""
-    import vllm.v1.engine.core as core_module
-    from vllm.distributed import parallel_state
-
-    original = core_module.cleanup_dist_env_and_memory
-    core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: parallel_state.destroy_model_parallel()
-    try:
-        yield
-    finally:
-        core_module.cleanup_dist_env_and_memory = original
-
-
-def _shutdown_core_keeping_groups(engine_core, shm_segments: tuple[str, int] | None) -> None:
-    try:
-        with _keep_process_groups():
-            engine_core.shutdown()
-    finally:
-        if shm_segments is not None:
-            remove_own_shm_segments(*shm_segments)
-
-
-def _make_teardown_keep_process_groups(llm, shm_segments: tuple[str, int] | None) -> None:
-    """The in-process client shuts its EngineCore down when it is garbage-collected or at exit
-    (a weakref.finalize); swap that for the group-keeping teardown, so that dropping the engine
-    can never take the trainer's process group with it. It also removes this rank's CPU shm
-    segment names (shm_segments = (job token, rank in the TP group))."""
-    client = llm.llm_engine.engine_core
-    finalizer = getattr(client, "_finalizer", None)
-    core = getattr(client, "engine_core", None)
-    if finalizer is None or core is None:
-        raise RuntimeError("vLLM's in-process engine client changed shape (no _finalizer/engine_core); "
-                           "re-check how it tears down before running colocated")
-    finalizer.detach()
-    client._finalizer = weakref.finalize(client, _shutdown_core_keeping_groups, core, shm_segments)
 
 
 def prepack_cpu_moe_experts(model: torch.nn.Module) -> int:

@@ -5,8 +5,12 @@ Run under torchrun with 2 processes:
 
 The process group is created here first (gloo), the way the Megatron worker does before it
 builds the rollout. Then, in the same processes:
-  1. t_g=2 (one replica over both ranks): greedy; sampling with n=2; greedy after load_weights.
-  2. shutdown, then t_g=1 (two replicas, vLLM data_parallel_size=2): each rank generates its own
+  1. t_g=2 (one replica over both ranks): greedy; sampling with n=2; greedy after load_weights. Its TP
+     collectives run on vLLM's shared-memory communicator where this CPU's vLLM build has it (AVX-512/AMX),
+     whose segment names must already be gone from /dev/shm while the engine runs.
+  2. shutdown, then t_g=2 again with the shm communicator off (gloo TP collectives: the path an AVX2-only
+     machine always takes), greedy.
+  3. shutdown, then t_g=1 (two replicas, vLLM data_parallel_size=2): each rank generates its own
      slice of the batch (uneven: 5 and 4 rows), all_gather_replicas gives both the full output;
      then a one-prompt batch, so replica 1 has nothing to do but must still take part.
 Each rank saves what it saw to OUT_DIR/rank{r}.pt; the test compares with HF.
@@ -51,6 +55,9 @@ def main(model_dir: str, new_dir: str, out_dir: str) -> None:
     rollout = VLLMRollout(model_dir, cfg, dtype="float32")  # compared with HF fp32
     saved["tp2_layout"] = (rollout.num_replicas, rollout.replica_rank, rollout.tp_rank)
     saved["tp2_engine_s"] = rollout.engine_start_s
+    saved["tp2_shm_active"] = rollout.shm_active
+    dist.barrier()  # both engines are up: every name each rank created has been unlinked
+    saved["tp2_shm_names"] = [n for n in os.listdir("/dev/shm") if n.startswith(f"hybridflow-{rollout.shm_token}-")]
     out, local = generate_all(rollout, greedy)
     saved["tp2_greedy"] = out.batch["responses"]
     saved["tp2_greedy_local"] = local.batch["responses"]
@@ -67,10 +74,13 @@ def main(model_dir: str, new_dir: str, out_dir: str) -> None:
     saved["tp2_load_s"] = rollout.last_weight_load_s
     out, _ = generate_all(rollout, greedy)
     saved["tp2_new_weights_greedy"] = out.batch["responses"]
-    token = rollout.shm_token
     rollout.shutdown()
-    dist.barrier()  # each rank removes its own segment; look once both are done
-    saved["tp2_shm_left"] = [n for n in os.listdir("/dev/shm") if token and n.startswith(f"hybridflow-{token}-")]
+
+    rollout = VLLMRollout(model_dir, cfg, dtype="float32", cpu_shm_allreduce=False)
+    saved["tp2_gloo_shm_active"] = rollout.shm_active
+    out, _ = generate_all(rollout, greedy)
+    saved["tp2_gloo_greedy"] = out.batch["responses"]
+    rollout.shutdown()
 
     cfg = RolloutConfig(tensor_model_parallel_size=1, response_length=R, ignore_eos=True, seed=7,
                         kv_cache_memory_bytes=64 * 1024 * 1024)
