@@ -103,10 +103,9 @@ def run_rollout(rank: int, a) -> dict:
     if a.TG > 1:  # external_launcher: the rollout pool's own world (vLLM creates it from these)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.R), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(a.rollout_port))
-    import vllm
-
     from hybridflow.resharding.cross_pool import RolloutReceiver, make_sync_group, measure_bandwidth
     from hybridflow.resharding.cross_pool_plan import RolloutLayout
+    from hybridflow.rollout.vllm_engine import build_llm
     from megatron_workers.hf_io import read_hf_config
 
     kwargs = dict(model=a.w0, tokenizer=a.w0, dtype="float32", tensor_parallel_size=a.TG, enforce_eager=True,
@@ -114,7 +113,7 @@ def run_rollout(rank: int, a) -> dict:
                   distributed_executor_backend="external_launcher" if a.TG > 1 else "uni")
     if a.TG > 1 and a.R > a.TG:
         kwargs["data_parallel_size"] = a.R // a.TG
-    llm = vllm.LLM(**kwargs)
+    llm = build_llm(kwargs).llm  # segments named per job: the next layout's engine must not meet this one's
     cfg = read_hf_config(a.w1)  # the same architecture; the weights come from the trainer
 
     group = make_sync_group("127.0.0.1", a.sync_port, a.T + rank, a.T + a.R, timeout_s=300)

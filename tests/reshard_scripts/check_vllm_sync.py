@@ -71,7 +71,7 @@ def main() -> int:
     load_hf_into_mcore([model], w1, cfg)
 
     hybrid = HybridEngine(dims, GenerationDims(tp=t_g), [model], cfg, bucket_bytes=64 << 10, timeout_s=120)
-    import vllm
+    from hybridflow.rollout.vllm_engine import build_llm
 
     replicas = len(hybrid.plan.gen_tp_groups)
     kwargs = dict(model=w0, tokenizer=w0, dtype="float32", tensor_parallel_size=t_g, enforce_eager=True,
@@ -79,8 +79,7 @@ def main() -> int:
                   max_model_len=128)
     if replicas > 1:
         kwargs["data_parallel_size"] = replicas
-    with hybrid.group_order():
-        llm = vllm.LLM(**kwargs)
+    llm = build_llm(kwargs, around=[hybrid.group_order()]).llm
     hybrid.verify_groups()
 
     ref_tokens, ref_logps = hf_greedy(w1)
