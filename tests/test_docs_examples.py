@@ -1,29 +1,21 @@
-"""Every example in the docs is checked: YAML blocks load, command lines parse.
+"""Every example in the docs is checked: YAML blocks load, command lines parse (docs/index.md, "About these docs").
 
-The pages are found, not listed: docs/**/*.md, README.md, launch/README.md, and the files a docs page includes
-(pymdownx.snippets' `--8<-- "FILE"`: ARCHITECTURE.md). The convention, also told in docs/index.md ("About these
-docs"):
-
-- A ```yaml block is a config. It is loaded with load_config, merged onto a base: the file its first line names as
-  `# base: configs/x.yaml`, or else the schema's defaults (the tiny default, what `make demo` runs).
-- A command is `python -m MODULE ...` (any python: `.venv/bin/python`, `$PWD/.venv/bin/python`), `hybridflow
-  COMMAND ...` or `torchrun ... -m MODULE ...`, found in a shell or untagged fenced block (comments included: `make
-  demo-moe   # = python -m ...`; a line ending in `\\` goes on) or in an inline code span. A command wrapped in
-  another one is found too: after sbatch, inside `ssh host '...'`, after `ray job submit ... -- exec`; what follows
-  `--` in `python -m launch.submit` is a trainer command line, and `-- -m MODULE ...` in `launch.torchrun_ray` a
-  command of MODULE. The same command line on several pages is checked once.
-- A command of ours runs in this process up to its argument parsing, where argparse is stopped: no work is done.
-  - With no arguments it is a reference to the tool: `--help` must exit 0.
-  - A concrete command must parse, and its `config` / `overrides` (the names every tool of ours gives them) must
-    load. A config under runs/ is one an earlier command writes: it is not loaded.
-  - A synopsis, a command with a placeholder (`[optional]`, `{a,b}`, `a|b`, `<name>`, `...`, an ALL-CAPS word),
-    cannot parse; each option it names must be one its parser (or the named subcommand's) defines, the subcommand
-    must be one, and its config and dotted key=value overrides must load.
-- A module that is not ours (`python -m pytest`) must be importable.
-- A fenced block that is not meant to run has `<!-- docs-test: skip (reason) -->` on the line right before its
-  fence; the reason is mandatory. Skipped blocks are pytest skips: `-ra` lists them with their reasons.
-
-A failure names the page and line. About 10 s, most of it the tools' imports (torch, megatron).
+Pages are globbed: docs/**/*.md, README.md, launch/README.md and what a page includes (`--8<-- "ARCHITECTURE.md"`).
+- A ```yaml block is loaded with load_config, merged onto the file its first line names (`# base: configs/x.yaml`)
+  or onto the schema's defaults (the tiny default).
+- A command is `python -m MODULE ...` (any python), `hybridflow COMMAND ...` or `torchrun ... -m MODULE ...`, in a
+  shell or untagged block (comments too; `\\` continues a line) or in inline code. Wrapped commands are found too
+  (sbatch, `ssh host '...'`, `ray job submit -- exec ...`), and so is what follows `--` in launch.submit (a trainer
+  command line) and launch.torchrun_ray (`-m MODULE ...`). A command line found twice is checked once.
+- A command of ours runs in this process until argparse has parsed its arguments, and is stopped there. With no
+  arguments, `--help` must exit 0. A concrete command must parse, and its `config` / `overrides` (every tool of
+  ours names them so) must load; a config under runs/ is written by an earlier command and is not loaded. A
+  synopsis (a placeholder: `[opt]`, `{a,b}`, `a|b`, `<name>`, `...`, an ALL-CAPS word) is checked by name: each
+  option and the subcommand must exist in the tool's parser, and its config and dotted key=value overrides load.
+  A module not ours (`python -m pytest`) must import.
+- `<!-- docs-test: skip (reason) -->` on the line right before a fence skips that block; the reason is required,
+  and the skip is a pytest skip, so `-ra` lists it.
+A failure names the page and line. 5-15 s on 2 cores, most of it the tools' imports (torch, megatron).
 """
 
 from __future__ import annotations
@@ -37,6 +29,7 @@ import shlex
 import sys
 import tempfile
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -109,6 +102,7 @@ def read_page(path: Path, root: Path = REPO) -> tuple[list[Block], list[Command]
     rel = path.relative_to(root).as_posix()
     lines = path.read_text().splitlines()
     blocks, commands, problems = [], [], []
+    prose = list(lines)  # the page less its fenced blocks and markers, for the inline code spans
     pending: tuple[int, str | None] | None = None  # a marker waiting for its fence: (line, reason)
     i = 0
     while i < len(lines):
@@ -120,6 +114,7 @@ def read_page(path: Path, root: Path = REPO) -> tuple[list[Block], list[Command]
                 problems.append(f"{rel}:{n}: a docs-test marker reads `<!-- docs-test: skip (reason) -->`, with a "
                                 f"reason; got {marker.group(0)!r}")
             pending = (n, skip.group(1).strip() if skip else None)
+            prose[i] = ""
             i += 1
             continue
         fence = FENCE.match(line)
@@ -133,15 +128,18 @@ def read_page(path: Path, root: Path = REPO) -> tuple[list[Block], list[Command]
             blocks.append(block)
             if block.lang in SHELL_LANGS and not skip:
                 commands += shell_commands(block)
+            prose[i:end + 1] = [""] * (min(end, len(lines) - 1) + 1 - i)
             i = end + 1
             continue
         if pending and line.strip():
             problems.append(f"{rel}:{pending[0]}: a docs-test marker must be on the line right before a fence")
             pending = None
-        for span in re.findall(r"`([^`]+)`", line):
-            commands += commands_in(span, rel, n)
         i += 1
-    return blocks, commands, problems
+    text = "\n".join(prose)
+    for span in re.finditer(r"`([^`]+)`", text):  # a span may go on over a line break, not over a blank line
+        if "\n\n" not in span.group(1):
+            commands += commands_in(span.group(1).replace("\n", " "), rel, text.count("\n", 0, span.start()) + 1)
+    return blocks, sorted(commands, key=lambda c: c.line), problems
 
 
 def split_comment(line: str) -> tuple[str, str]:
@@ -470,9 +468,7 @@ def test_summary_per_page(capsys):
     for cmds in COMMANDS:
         for page in {c.page for c in cmds}:
             rows[page]["commands"] += 1
-    kinds = {}
-    for cmds in COMMANDS:
-        kinds[check_kind(cmds[0])] = kinds.get(check_kind(cmds[0]), 0) + 1
+    kinds = Counter(check_kind(cmds[0]) for cmds in COMMANDS)
     skipped = sum(r["skipped"] for r in rows.values())
     with capsys.disabled():
         print(f"\ndocs examples: {len(YAML_BLOCKS)} YAML blocks, {len(COMMANDS)} distinct command lines ("
@@ -491,7 +487,8 @@ def test_summary_per_page(capsys):
 
 PAGE = """# A page
 
-Run `python -m launch.plan configs/recipes/qwen2_7b_grpo_1node.yaml --gpu h100` or `hybridflow <command> ARGS`.
+Run `python -m launch.plan configs/recipes/qwen2_7b_grpo_1node.yaml
+--gpu h100` or `hybridflow <command> ARGS`.
 
 ```yaml
 # base: configs/grpo_tiny_cpu.yaml
@@ -522,16 +519,16 @@ def _page(tmp_path, text: str) -> tuple[list[Block], list[Command], list[str]]:
 def test_reading_a_page(tmp_path):
     blocks, commands, problems = _page(tmp_path, PAGE)
     assert not problems
-    assert [(b.line, b.lang, b.skip) for b in blocks] == [(5, "yaml", None), (11, "yaml", "an excerpt"),
-                                                          (15, "bash", None)]
+    assert [(b.line, b.lang, b.skip) for b in blocks] == [(6, "yaml", None), (12, "yaml", "an excerpt"),
+                                                          (16, "bash", None)]
     found = [(c.line, c.program, c.target, c.args) for c in commands]
     assert found == [
-        (3, "python", "launch.plan", ["configs/recipes/qwen2_7b_grpo_1node.yaml", "--gpu", "h100"]),
-        (16, "python", "hybridflow.trainer.warmstart", ["--out", "runs/x"]),  # in a comment
-        (17, "python", "launch.cluster", ["status"]),  # inside ssh's quotes, up to &&
-        (18, "python", "launch.submit", ["--address", "http://HEAD:8265", "--", "--config", "configs/ppo_tiny_cpu.yaml",
+        (3, "python", "launch.plan", ["configs/recipes/qwen2_7b_grpo_1node.yaml", "--gpu", "h100"]),  # over 2 lines
+        (17, "python", "hybridflow.trainer.warmstart", ["--out", "runs/x"]),  # in a comment
+        (18, "python", "launch.cluster", ["status"]),  # inside ssh's quotes, up to &&
+        (19, "python", "launch.submit", ["--address", "http://HEAD:8265", "--", "--config", "configs/ppo_tiny_cpu.yaml",
                                          "trainer.nnodes=2", "..."]),  # continued over two lines
-        (20, "python", "megatron_workers.convert", ["hf-to-mcore", "--hf", "HF_DIR", "--out", "OUT"])]
+        (21, "python", "megatron_workers.convert", ["hf-to-mcore", "--hf", "HF_DIR", "--out", "OUT"])]
     nested = commands[3].nested
     assert [(c.target, c.args) for c in nested] == [
         ("hybridflow.trainer.main", ["--config", "configs/ppo_tiny_cpu.yaml", "trainer.nnodes=2", "..."])]
