@@ -137,12 +137,13 @@ def _header(path: Path) -> dict:
     text = path.read_text()
     plan = re.search(r"^# plan: python -m launch\.plan (\S+)(.*)$", text, re.M)
     mem = re.search(r"^# expected memory per GPU: ([\d.]+) GiB", text, re.M)
+    device = re.search(r"^# expected memory per GPU: .* GiB on (\S+)\)$", text, re.M)
     step = re.search(r"^# expected step time: (\d+) s", text, re.M)
-    assert plan and mem and step, f"{path.name}: header lines missing"
+    assert plan and mem and device and step, f"{path.name}: header lines missing"
     flags = plan.group(2).split()
     opts = dict(zip(flags[::2], flags[1::2]))
-    return {"config": plan.group(1), "gpu": opts.get("--gpu", "h100"), "recompute": opts.get("--recompute", "none"),
-            "mem": float(mem.group(1)), "step": float(step.group(1)), "text": text}
+    return {"config": plan.group(1), "flags": opts, "recompute": opts.get("--recompute", "none"),
+            "mem": float(mem.group(1)), "step": float(step.group(1)), "device": device.group(1), "text": text}
 
 
 def test_there_are_the_asked_recipes():
@@ -158,12 +159,16 @@ def test_there_are_the_asked_recipes():
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_parses_validates_fits_and_header_matches_planner(recipe):
     from hybridflow.parallel.dims import ParallelDims
+    from launch.plan.devices import get_device
 
     cfg = load_config(recipe)  # the trainer's loader: unknown keys would fail here
     h = _header(recipe)
     assert h["config"] == f"configs/recipes/{recipe.name}"
     assert "Not in the config schema yet" in h["text"]
-    plan = make_plan(recipe, [], Options(gpu=h["gpu"], recompute=h["recompute"]))
+    # the recipe names its GPU (plan.gpu), so its plan command needs no --gpu, and planning without one uses it
+    assert cfg.plan.gpu and "--gpu" not in h["flags"], recipe.name
+    plan = make_plan(recipe, [], Options(recompute=h["recompute"]))
+    assert plan.job.device == get_device(cfg.plan.gpu) and plan.job.device.name == h["device"]
     actor = plan.job.roles["actor"]
     m = cfg.actor_rollout_ref.actor.megatron
     # the layout check the trainer runs, on the recipe's model shape
@@ -237,6 +242,20 @@ def test_unknown_gpu(capsys):
     rc = plan_main([str(REPO / "configs/recipes/llama3_8b_grpo_1node.yaml"), "--gpu", "v100"])
     err = capsys.readouterr().err
     assert rc == 2 and "--gpu 'v100' is not a known device; known: a100, h100, h200" in err
+    rc = plan_main([str(REPO / "configs/recipes/llama3_8b_grpo_1node.yaml"), "plan.gpu=v100"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "plan.gpu 'v100' is not a known device; known: a100, h100, h200" in err
+
+
+def test_the_config_names_the_gpu_and_the_flag_wins(capsys):
+    """The H200 recipe plans with no flag (it fits 141 GB, not 80), --gpu h100 still plans on an H100 (and does not
+    fit), and a config with no plan.gpu plans on the H100."""
+    recipe = str(REPO / "configs/recipes/qwen3_30b_a3b_grpo_1nodes.yaml")
+    assert plan_main([recipe]) == 0
+    assert "of 139.7 GiB (H200-SXM-141GB): fits" in capsys.readouterr().out
+    assert plan_main([recipe, "--gpu", "h100"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert make_plan(recipe, ["plan.gpu=null"]).job.device.name == "H100-SXM5-80GB"
 
 
 def test_no_fit_names_stage_role_component_overflow_and_knob(capsys):

@@ -2,13 +2,13 @@
 # Run one recipe: plan it first (fails fast if it does not fit), then start the trainer.
 #
 #   MODEL_PATH=/models/Meta-Llama-3-70B-Instruct TRAIN_FILES=/data/gsm8k/train.parquet \
-#   VAL_FILES=/data/gsm8k/test.parquet NNODES=16 GPU=a100 \
+#   VAL_FILES=/data/gsm8k/test.parquet NNODES=16 \
 #   configs/recipes/run_recipe.sh llama3_70b_ppo_16nodes [key=value ...]
 #
 # Adapt: MODEL_PATH (actor/ref/critic), CRITIC_PATH and RM_PATH (default MODEL_PATH; the reward model must be an HF
 # *ForSequenceClassification directory), TRAIN_FILES / VAL_FILES (verl-layout parquet: python -m
-# hybridflow.data.prep_gsm8k), NNODES (change the layout with it: tp*pp must divide NNODES*8), GPU (a100|h100|h200,
-# for the planner), RECOMPUTE (the planner's --recompute; Megatron's recompute is not a config key yet).
+# hybridflow.data.prep_gsm8k), NNODES (change the layout with it: tp*pp must divide NNODES*8), GPU (a100|h100|h200:
+# plan for another GPU than the one the recipe names in plan.gpu), RECOMPUTE (the planner's --recompute).
 # Extra arguments are dotlist overrides for both the planner and the trainer.
 #
 # On a cluster, start Ray on every node first (python -m launch.cluster) and set trainer.ray.address, or submit
@@ -36,5 +36,5 @@ if grep -q '^critic:' "$config"; then overrides+=("critic.model.path=${CRITIC_PA
 if grep -q 'enable: true' "$config"; then overrides+=("reward_model.model.path=${RM_PATH:-$MODEL_PATH}"); fi
 [ -z "${VAL_FILES:-}" ] && overrides+=("trainer.val_before_train=false" "trainer.test_freq=-1")
 
-"$PYTHON" -m launch.plan "$config" "${overrides[@]}" "$@" --gpu "${GPU:-h100}" --recompute "${RECOMPUTE:-none}"
+"$PYTHON" -m launch.plan "$config" "${overrides[@]}" "$@" ${GPU:+--gpu "$GPU"} --recompute "${RECOMPUTE:-none}"
 exec "$PYTHON" -m hybridflow.trainer.main --config "$config" "${overrides[@]}" "$@"

@@ -465,6 +465,13 @@ class AsyncTrainingConfig:
 
 
 @dataclass
+class PlanConfig:
+    """What the config was planned for: launch.plan reads it, the trainer does not (it changes no training)."""
+
+    gpu: str | None = None  # a100 | h100 | h200 (launch/plan/devices.py); None: launch.plan's --gpu, else h100
+
+
+@dataclass
 class HybridFlowConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -474,3 +481,4 @@ class HybridFlowConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)

@@ -1,6 +1,6 @@
 """launch.plan: will a HybridFlow config fit its GPUs, and roughly how long is one step? No GPU, no weights.
 
-    python -m launch.plan configs/recipes/llama3_70b_ppo_16nodes.yaml --gpu a100 --recompute selective
+    python -m launch.plan configs/recipes/llama3_70b_ppo_16nodes.yaml --recompute selective
     python -m launch.plan --against-published
 
 Modules: shapes (model shapes: config.json or a known table), devices (GPU/network table), memory (bytes per

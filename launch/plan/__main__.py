@@ -3,6 +3,8 @@
 python -m launch.plan CONFIG [key=value ...] [--gpu h100|a100|h200] [--recompute none|selective|full] ...
 python -m launch.plan --against-published   (--against-paper: the same)
 
+The GPU: --gpu, else the config's plan.gpu (a recipe names the GPU it was planned for), else h100.
+
 Exit codes: 0 fits, 1 does not fit (the message names the stage, role, component and overflow, and knobs that
 would fix it), 2 bad input (unknown GPU or model, a layout that does not divide, too few GPUs).
 """
@@ -22,7 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", nargs="?", help="a HybridFlow YAML config (configs/recipes/*.yaml)")
     ap.add_argument("overrides", nargs="*", help="dotlist overrides, as the trainer takes them")
-    ap.add_argument("--gpu", default="h100", help="a100 | h100 | h200 (default h100)")
+    ap.add_argument("--gpu", default=None, help="a100 | h100 | h200 (default: the config's plan.gpu, else h100)")
     ap.add_argument("--recompute", default="none", help="none | selective | full (Megatron activation recompute)")
     ap.add_argument("--virtual-pipeline", type=int, default=1, dest="vpp", help="virtual pipeline chunks per stage")
     ap.add_argument("--kernels", default="te", help="te (GPU, Transformer Engine) | local (megatron local spec; "

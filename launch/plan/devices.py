@@ -69,12 +69,14 @@ def device_key(cuda_name: str) -> str:
     raise UnknownDeviceError(f"device {cuda_name!r} is none the planner knows; known: {', '.join(DEVICES)}")
 
 
-def get_device(name: str, internode_gbps_per_node: float | None = None, gpus_per_node: int = 8) -> Device:
+def get_device(name: str, internode_gbps_per_node: float | None = None, gpus_per_node: int = 8,
+               source: str = "--gpu") -> Device:
     """The table's device; `internode_gbps_per_node` replaces its network with a node-level figure (e.g. the
-    HybridFlow paper's testbed: 200 Gb/s between machines, shared by 8 GPUs)."""
+    HybridFlow paper's testbed: 200 Gb/s between machines, shared by 8 GPUs). `source` is where the name came from
+    (the flag or the config key), for the error."""
     key = name.lower()
     if key not in DEVICES:
-        raise UnknownDeviceError(f"--gpu {name!r} is not a known device; known: {', '.join(DEVICES)}")
+        raise UnknownDeviceError(f"{source} {name!r} is not a known device; known: {', '.join(DEVICES)}")
     dev = DEVICES[key]
     if internode_gbps_per_node is None:
         return dev

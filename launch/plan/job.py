@@ -17,6 +17,7 @@ from launch.plan.lengths import Lengths, from_rollout_dir, from_stats
 from launch.plan.memory import KERNEL_PROFILES, LOCAL_PROFILES, RECOMPUTE_MODES, dtype_key
 from launch.plan.shapes import Shape, resolve_shape
 
+DEFAULT_GPU = "h100"  # for a config that names no plan.gpu, planned without --gpu
 PACKINGS = ("trim", "packed", "pad")
 TRAIN_BACKENDS = ("megatron", "fsdp")
 
@@ -31,7 +32,7 @@ class Options:
     take the actor's config (override_transformer_config.recompute_granularity, or
     model.enable_gradient_checkpointing; virtual_pipeline_model_parallel_size): see options_from_config."""
 
-    gpu: str = "h100"
+    gpu: str | None = None  # None: the config's plan.gpu, else DEFAULT_GPU
     recompute: str = "none"  # none | selective | full (Megatron's recompute_granularity; full = uniform, 1 layer)
     vpp: int = 1  # virtual pipeline chunks per stage (interleaved 1F1B)
     kernels: str = "te"  # te (GPU, Transformer Engine spec) | local (megatron-core local spec) | local_unfused
@@ -226,8 +227,10 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
         raise PlanInputError(f"--kernels {options.kernels!r}; choose one of {', '.join(KERNEL_PROFILES)}")
     if options.vpp < 1:
         raise PlanInputError(f"--virtual-pipeline {options.vpp} must be >= 1")
+    gpu, source = ((options.gpu, "--gpu") if options.gpu else (cfg.plan.gpu, "plan.gpu") if cfg.plan.gpu
+                   else (DEFAULT_GPU, "--gpu"))
     try:
-        device = get_device(options.gpu, options.internode_gbps_per_node, cfg.trainer.n_gpus_per_node)
+        device = get_device(gpu, options.internode_gbps_per_node, cfg.trainer.n_gpus_per_node, source)
     except ValueError as e:
         raise PlanInputError(str(e)) from None
     a, t = cfg.actor_rollout_ref, cfg.trainer
