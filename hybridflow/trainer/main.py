@@ -310,7 +310,7 @@ def trainer_on(cfg: HybridFlowConfig, groups: dict, place, tokenizer, dataset, v
                             ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset,
                             rollout=groups["rollout"])
     trainer.n_devices = place.n_devices  # every pool's processes: verl's perf/throughput divides by them
-    trainer.n_params = count_params(cfg.actor_rollout_ref.model.path)
+    trainer.n_params = count_active_params(cfg.actor_rollout_ref.model.path)  # perf/mfu/actor's N
     return trainer
 
 
@@ -330,6 +330,20 @@ def count_params(path: str) -> int:
                 for k in f.keys():
                     total += _prod(f.get_slice(k).get_shape())
     return total
+
+
+def count_active_params(path: str) -> int:
+    """The parameters a token's forward touches in an HF directory: count_params less the routed experts it does not
+    run (top-k of E per MoE layer; hybridflow/models/param_count.py, also launch.plan's count)."""
+    import json
+
+    from hybridflow.models.param_count import active_params
+    from megatron_workers.model_builder import read_hf_facts
+
+    with open(os.path.join(path, "config.json")) as f:
+        facts = read_hf_facts(json.load(f))
+    return active_params(count_params(path), facts.num_layers, facts.num_experts, facts.moe_topk, facts.hidden_size,
+                         facts.moe_ffn_hidden_size)
 
 
 def _prod(shape) -> int:
