@@ -1,6 +1,6 @@
 """The single controller's RL loop: a plain Python loop of named stages, one worker-group call each.
 
-    gen -> [rm] -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
+    gen -> [gen_baseline] -> [rm] -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
     (the weight resync to the rollout engine runs at the start of the next gen, inside the workers)
 
 Validation (`validate`, timer `testing`) reuses gen -> [rm] -> reward on data.val_files with the
