@@ -162,14 +162,15 @@ class ActorRolloutRefWorker(RolloutRole, WeightSenderRole, Worker):
     # ------------------------------------------------------------------ training
 
     def _policy_loss_fn(self, response_length: int, temperature: float, on_policy: bool = False,
-                        bypass: bool = False):
+                        bypass: bool = False, loss_agg_mode: str | None = None):
         from hybridflow.algorithms import agg_loss, compute_policy_loss, kl_penalty, masked_mean
 
         cfg = self.config.actor
         low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
         high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
         vocab = self.actor.hf_vocab_size
-        mode, _ = micro_agg_mode(cfg.loss_agg_mode)  # token-sum: token-means scaled back by train_step
+        # token-sum: token-means scaled back by train_step
+        mode, _ = micro_agg_mode(loss_agg_mode if loss_agg_mode is not None else cfg.loss_agg_mode)
 
         def loss_fn(logits, micro):
             log_prob, entropy = response_logprobs(logits, micro, response_length, vocab, temperature)
@@ -205,7 +206,9 @@ class ActorRolloutRefWorker(RolloutRole, WeightSenderRole, Worker):
 
     @register(dispatch=Dispatch.DP_COMPUTE_PROTO, mesh=MESH)
     def update_actor(self, data: DataProto) -> DataProto:
-        """PPO epochs over mini-batches of this DP shard; returns meta_info['metrics'] (means over updates)."""
+        """PPO epochs over mini-batches of this DP shard; returns meta_info['metrics'] (means over updates).
+
+        meta_info `loss_agg_mode`: the driver's actor.loss_agg_mode for this call (default: this worker's config)."""
         if self.actor is None:
             raise RuntimeError(f"update_actor needs the actor; this worker's role is {self.role!r}")
         cfg = self.config.actor
@@ -232,9 +235,10 @@ class ActorRolloutRefWorker(RolloutRole, WeightSenderRole, Worker):
         response_length = data.batch["responses"].shape[1]
         temperature = float(data.meta_info.get("temperature", self.config.rollout.temperature))
         bypass = bool(data.meta_info.get("rollout_correction_bypass", False))
-        loss_fn = self._policy_loss_fn(response_length, temperature, on_policy, bypass)
-        count_fn = lambda micro: agg_count(micro, cfg.loss_agg_mode)
-        _, sum_loss = micro_agg_mode(cfg.loss_agg_mode)
+        agg = str(data.meta_info.get("loss_agg_mode", cfg.loss_agg_mode))
+        loss_fn = self._policy_loss_fn(response_length, temperature, on_policy, bypass, loss_agg_mode=agg)
+        count_fn = lambda micro: agg_count(micro, agg)
+        _, sum_loss = micro_agg_mode(agg)
         selected = data.select(batch_keys=keys)
         budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
         seed = int(data.meta_info.get("global_step", 0)) + self.config.actor.megatron.seed

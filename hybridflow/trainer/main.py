@@ -182,6 +182,17 @@ def trainer_session(cfg: HybridFlowConfig, validated: bool = False, reserved: di
     and yield a RayPPOTrainer ready to fit(); on leaving (normally, on an error, or on SIGTERM from `ray job stop`)
     every worker group and placement group it made is taken down. launch.benchmark runs its steps in here, and
     each launch.sweep trial, with `reserved` (make_pools) set to its pools' share of the trial's placement group."""
+    with worker_session(cfg, validated, reserved) as make_trainer:
+        yield make_trainer(cfg)
+
+
+@contextlib.contextmanager
+def worker_session(cfg: HybridFlowConfig, validated: bool = False, reserved: dict | None = None):
+    """trainer_session's groups, yielding `make_trainer(c)`: a RayPPOTrainer for config `c` over them, `cfg` or a
+    variant of it that changes only what the driver decides per step (DRIVER_SIDE: the algorithm, the actor's
+    loss_agg_mode, the run's directory, length and logging). Several trainers may run on the warm groups one after
+    another (tests/e2e_estimator_runs.py runs every estimator so); the critic group, built when `cfg` has one, is
+    left unused by a variant without."""
     from hybridflow.controller.teardown import Teardown, exit_on_sigterm
 
     parts = _prepare_run(cfg, validated)
@@ -189,9 +200,51 @@ def trainer_session(cfg: HybridFlowConfig, validated: bool = False, reserved: di
     teardown = Teardown()
     with exit_on_sigterm():
         try:
-            yield _make_trainer(cfg, place, teardown, *parts, reserved=reserved)
+            groups = build_groups(cfg, place, teardown, reserved)
+
+            def make_trainer(variant: HybridFlowConfig):
+                if variant is not cfg:
+                    validate(variant)
+                    check_driver_side_variant(cfg, variant)
+                    save_resolved(variant, os.path.join(variant.trainer.default_local_dir, "config.yaml"))
+                return trainer_on(variant, groups, place, *parts)
+
+            yield make_trainer
         finally:
             teardown.close()
+
+
+# What a trainer may change over worker groups built for another config: the workers keep the config they were
+# built with, and these are read by the driver only (the actor's loss_agg_mode travels with each update_actor call).
+DRIVER_SIDE = ("algorithm", "actor_rollout_ref.actor.loss_agg_mode", "critic.enable",
+               *(f"trainer.{k}" for k in ("default_local_dir", "experiment_name", "project_name", "logger",
+                                          "total_training_steps", "total_epochs", "save_freq", "resume_mode",
+                                          "val_before_train", "test_freq", "rollout_data_dir", "validation_data_dir",
+                                          "max_ckpt_to_keep")))
+
+
+def check_driver_side_variant(built: HybridFlowConfig, variant: HybridFlowConfig) -> None:
+    """Raise, naming the keys, unless `variant` differs from `built` (the workers' config) only in DRIVER_SIDE (and
+    in critic.* when the variant runs no critic), and uses a critic only where `built` made one."""
+    skip = (*DRIVER_SIDE, *(() if variant.critic.enable else ("critic",)))
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if any(key == s or key.startswith(s + ".") for s in skip):
+                continue
+            out.update(flat(v, key + ".") if isinstance(v, dict) and v else {key: v})
+        return out
+
+    a, b = flat(to_dict(built)), flat(to_dict(variant))
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if changed:
+        raise ValueError(f"a trainer over worker groups built for another config may change only what the driver "
+                         f"reads per step; these keys differ: {changed[:8]}")
+    if variant.critic.enable and not built.critic.enable:
+        raise ValueError(f"algorithm.adv_estimator={variant.algorithm.adv_estimator} needs a critic; the worker "
+                         "groups were built without one")
 
 
 def _prepare_run(cfg: HybridFlowConfig, validated: bool, data: tuple | None = None) -> tuple:
@@ -242,16 +295,22 @@ def _prepare_run(cfg: HybridFlowConfig, validated: bool, data: tuple | None = No
 
 def _make_trainer(cfg: HybridFlowConfig, place, teardown, tokenizer, dataset, val_dataset, reward, reserved=None):
     """Every worker group on its pool (told to `teardown` as made) and a RayPPOTrainer over them."""
+    groups = build_groups(cfg, place, teardown, reserved)
+    return trainer_on(cfg, groups, place, tokenizer, dataset, val_dataset, reward)
+
+
+def trainer_on(cfg: HybridFlowConfig, groups: dict, place, tokenizer, dataset, val_dataset, reward):
+    """A RayPPOTrainer for `cfg` over built worker groups (build_groups' dict), with a sampler of its own."""
     from hybridflow.data.sampler import ResumableSampler
     from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 
-    groups = build_groups(cfg, place, teardown, reserved)
     sampler = ResumableSampler(len(dataset), cfg.data.train_batch_size, cfg.data.seed, shuffle=cfg.data.shuffle)
-    trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], groups["critic"],
+    critic = groups["critic"] if cfg.critic.enable else None
+    trainer = RayPPOTrainer(cfg, tokenizer, dataset, sampler, reward, groups["actor_rollout"], critic,
                             ref=groups["ref"], reward_model=groups["reward_model"], val_dataset=val_dataset,
                             rollout=groups["rollout"])
     trainer.n_devices = place.n_devices  # every pool's processes: verl's perf/throughput divides by them
-    trainer.n_params = count_params(cfg.actor_rollout_ref.model.path)
+    trainer.n_params = count_active_params(cfg.actor_rollout_ref.model.path)  # perf/mfu/actor's N
     return trainer
 
 
@@ -271,6 +330,20 @@ def count_params(path: str) -> int:
                 for k in f.keys():
                     total += _prod(f.get_slice(k).get_shape())
     return total
+
+
+def count_active_params(path: str) -> int:
+    """The parameters a token's forward touches in an HF directory: count_params less the routed experts it does not
+    run (top-k of E per MoE layer; hybridflow/models/param_count.py, also launch.plan's count)."""
+    import json
+
+    from hybridflow.models.param_count import active_params
+    from megatron_workers.model_builder import read_hf_facts
+
+    with open(os.path.join(path, "config.json")) as f:
+        facts = read_hf_facts(json.load(f))
+    return active_params(count_params(path), facts.num_layers, facts.num_experts, facts.moe_topk, facts.hidden_size,
+                         facts.moe_ffn_hidden_size)
 
 
 def _prod(shape) -> int:

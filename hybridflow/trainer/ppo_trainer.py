@@ -1,6 +1,6 @@
 """The single controller's RL loop: a plain Python loop of named stages, one worker-group call each.
 
-    gen -> [rm] -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
+    gen -> [gen_baseline] -> [rm] -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
     (the weight resync to the rollout engine runs at the start of the next gen, inside the workers)
 
 Validation (`validate`, timer `testing`) reuses gen -> [rm] -> reward on data.val_files with the
@@ -15,7 +15,6 @@ computes rewards and advantages, and logs.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -30,37 +29,18 @@ from hybridflow.algorithms.rollout_correction import apply_rollout_correction
 from hybridflow.algorithms.seqlen_balance import balance_batch, balance_parts, measure_imbalance
 from hybridflow.config.load import to_dict
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
 from hybridflow.controller.fault_inject import maybe_kill as fault_point
 from hybridflow.protocol import DataProto
 from hybridflow.trainer import metrics as M
+from hybridflow.trainer import remax as R
 from hybridflow.trainer import validation as V
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.peak_flops import device_peak_flops
 from hybridflow.trainer.rollout_dump import rollout_records
+from hybridflow.trainer.stages import stage, timer
 from hybridflow.trainer.tracking import Tracking, prepare_jsonl, read_jsonl
 
 log = logging.getLogger(__name__)
-
-@contextlib.contextmanager
-def timer(name: str, timings: dict):
-    t = time.perf_counter()
-    with stage(name), torch.profiler.record_function(name):  # a driver span on timeline steps
-        yield
-    timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
-
-
-@contextlib.contextmanager
-def stage(name: str):
-    """A worker failure inside carries the stage it broke (`e.stage`), for the restart log and the error."""
-    try:
-        yield
-    except (WorkerDiedError, WorkerTimeoutError, WorkerError) as e:
-        if getattr(e, "stage", None) is None:
-            e.stage = name
-            e.add_note(f"(stage {name})")
-        raise
-
 
 def dp_balance_parts(cfg: HybridFlowConfig) -> tuple[int, int]:
     """(parts to balance, the actor's DP size) for trainer.balance_batch: DP = a role's processes over its
@@ -132,6 +112,8 @@ class RayPPOTrainer:
         self._prefetched = None  # one_step_off_policy: (batch, its generation in flight, sampler state before it)
         self.weight_version = 0  # of the weights on the rollout pool: the step they serve in the synchronous loop
         self.agent_rollout = None  # server mode (rollout.mode=async): gen through agent loops, same stages after
+        R.validate_remax(cfg)  # ReMax: its greedy baseline needs the synchronous batch generation
+        self.remax = R.uses_remax(cfg)
         if cfg.actor_rollout_ref.rollout.mode == "async":
             from hybridflow.trainer.agent_rollout import AgentRollout
 
@@ -207,12 +189,19 @@ class RayPPOTrainer:
         else:
             rewards = b["token_level_scores"]
         adv, ret = compute_advantage(alg.adv_estimator, rewards, b["response_mask"], values=b.get("values"),
-                                     index=batch.non_tensor_batch["uid"], gamma=alg.gamma, lam=alg.lam,
-                                     norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+                                     index=batch.non_tensor_batch["uid"], reward_baselines=b.get("reward_baselines"),
+                                     gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
         batch.batch["token_level_rewards"] = rewards
         batch.batch["advantages"] = adv
         batch.batch["returns"] = ret
         return out
+
+    def add_reward_baselines(self, prompts: DataProto, batch: DataProto) -> None:
+        """ReMax: the rollout `batch`'s `reward_baselines`, its prompts' greedy scores (hybridflow/trainer/remax.py)."""
+        greedy = R.generate_baseline(self.gen_group, prompts, lambda b: self.score(b)[0])
+        batch.batch["reward_baselines"] = R.per_sample_baselines(greedy, batch.non_tensor_batch["uid"])
+        if self.cfg.trainer.rollout_data_dir:
+            self.dump_samples(greedy, self.cfg.trainer.rollout_data_dir, stem=R.BASELINE_STEM)
 
     def skip_old_log_prob(self) -> bool:
         return skips_old_log_prob(self.cfg)
@@ -314,11 +303,14 @@ class RayPPOTrainer:
                 batch, gen_metrics = self._take_produced()
             metrics.update(gen_metrics)
         else:
-            batch = self.next_batch()
-            batch.meta_info["global_step"] = self.global_step
+            prompts = self.next_batch()
+            prompts.meta_info["global_step"] = self.global_step
             with timer("gen", timings):
-                batch, gen_metrics = self.generate(batch)
+                batch, gen_metrics = self.generate(prompts)
             metrics.update(gen_metrics)
+            if self.remax:
+                with timer("gen_baseline", timings):
+                    self.add_reward_baselines(prompts, batch)
         batch.meta_info["rollout_n"] = self.cfg.actor_rollout_ref.rollout.n  # mini-batches count prompts
         if self.rm is not None:
             with timer("rm", timings):
@@ -365,6 +357,7 @@ class RayPPOTrainer:
                 metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
         actor_updated = self.updates_actor()
         if actor_updated:
+            batch.meta_info["loss_agg_mode"] = self.cfg.actor_rollout_ref.actor.loss_agg_mode  # the worker reads it
             with timer("update_actor", timings):
                 out = self.arr.update_actor(batch)
                 metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
@@ -387,13 +380,15 @@ class RayPPOTrainer:
         metrics.update(M.throughput_metrics(n_prompt, n_resp, step_time, self.n_devices, flops, self.peak_flops))
         if "timing_s/reshard" in metrics:
             metrics["perf/transition_s"] = metrics["timing_s/reshard"]
+        if "timing_s/gen_baseline" in metrics:  # ReMax's greedy generation, as verl names it too
+            metrics["timing_s/gen_max"] = metrics["timing_s/gen_baseline"]
         metrics["training/global_step"] = float(self.global_step)
         metrics["training/epoch"] = float(self.sampler.epoch)
         metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
         return metrics
 
-    def dump_samples(self, batch: DataProto, directory: str, append: bool = False) -> Path:
-        """<directory>/step_<N>.jsonl, one line per sample: what was generated and how it scored.
+    def dump_samples(self, batch: DataProto, directory: str, append: bool = False, stem: str = "step") -> Path:
+        """<directory>/<stem>_<N>.jsonl, one line per sample: what was generated and how it scored.
 
         trainer.rollout_data_dir gets each training batch; trainer.validation_data_dir each validation
         (appended chunk by chunk). The token ids are there so a sample can be re-scored exactly (text does
@@ -401,7 +396,7 @@ class RayPPOTrainer:
         """
         out_dir = Path(directory)
         out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"step_{self.global_step}.jsonl"
+        path = out_dir / f"{stem}_{self.global_step}.jsonl"
         with open(path, "a" if append else "w") as f:
             for record in rollout_records(batch, self.tokenizer, self.response_texts(batch), self.global_step):
                 f.write(json.dumps(record, default=str) + "\n")
@@ -422,7 +417,7 @@ class RayPPOTrainer:
         sources, prompts, scores, calls = [], [], [], []
         for k, rows in enumerate(V.chunks(len(self.val_dataset), self.cfg.data.val_batch_size)):
             batch = self.generate_validation([self.val_dataset[i] for i in rows])
-            batch.batch["token_level_scores"], _ = self.score_validation(batch)
+            batch.batch["token_level_scores"], _ = self.score(batch)
             calls += [int(c) for c in batch.non_tensor_batch.get("tool_calls", [])]
             sources += [str(s) for s in batch.non_tensor_batch["data_source"]]
             prompts += [int(i) for i in batch.non_tensor_batch["index"]]
@@ -454,8 +449,9 @@ class RayPPOTrainer:
         out.meta_info.pop("metrics", None)  # the reshard/gen timings describe training rollouts
         return out.unpad(pad * meta["n"])
 
-    def score_validation(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
-        """token_level_scores for a val batch, on training's reward path (compute_reward)."""
+    def score(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
+        """token_level_scores for a batch outside the step (a val batch, ReMax's greedy one) on training's reward
+        path: the reward model (the batch padded to its group's size), then compute_reward."""
         if self.rm is not None:
             padded, pad = batch.pad_to_divisor(self.rm.world_size)
             batch.union(self.rm.compute_rm_score(padded).unpad(pad))

@@ -188,6 +188,9 @@ def validate(cfg: HybridFlowConfig) -> None:
     from hybridflow.config.async_checks import validate_async
 
     validate_async(cfg, place)
+    from hybridflow.trainer.remax import validate_remax
+
+    validate_remax(cfg)
     from hybridflow.config.moe_checks import validate_moe
 
     validate_moe(cfg, actor_hf, place.world("rollout" if "rollout" in place.role_pools else "actor_rollout"))

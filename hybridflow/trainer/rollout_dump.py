@@ -31,6 +31,8 @@ def rollout_records(batch: DataProto, tokenizer, responses: list[str], step: int
             record["index"] = int(nt["index"][i])
         if rm_score is not None:
             record["rm_score"] = float(rm_score[i])
+        if "reward_baselines" in b:  # ReMax: the greedy response's score (its samples: baseline_step_<N>.jsonl)
+            record["reward_baseline"] = float(b["reward_baselines"][i])
         if "num_turns" in nt:  # an agent loop's trajectory: the transcript turn by turn (tool turns: mask 0)
             record["num_turns"] = int(nt["num_turns"][i])
             record["turns"] = transcript(b["responses"][i], b["attention_mask"][i, -r:], b["response_mask"][i],

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hybridflow.models import param_count as count
+from hybridflow.models.param_count import routed_expert_params
 from launch.plan.shapes import Shape
 
 GiB = 1024**3
@@ -108,7 +110,7 @@ def attention_params(shape: Shape, tp: int) -> int:
 
 def expert_params(shape: Shape) -> int:
     """One routed expert's SwiGLU matrices, whole: [gate; up] (2F x h) and down (h x F)."""
-    return 3 * shape.ffn_hidden_size * shape.hidden_size
+    return routed_expert_params(shape.hidden_size, shape.ffn_hidden_size)
 
 
 def mlp_params(shape: Shape, tp: int) -> int:
@@ -169,9 +171,10 @@ def total_params(shape: Shape, scalar_head: bool = False) -> int:
 
 def active_params(shape: Shape, scalar_head: bool = False) -> int:
     """Parameters one token's forward touches: total_params with the routed experts counted top-k times instead of
-    E times (the FLOP count's N; = total_params for a dense model)."""
-    idle = shape.num_layers * (shape.num_experts - shape.moe_topk) * expert_params(shape) if shape.is_moe else 0
-    return total_params(shape, scalar_head) - idle
+    E times (the FLOP count's N; = total_params for a dense model). The trainer's perf/mfu/actor counts the same
+    (hybridflow/models/param_count.py, which both call)."""
+    return count.active_params(total_params(shape, scalar_head), shape.num_layers, shape.num_experts, shape.moe_topk,
+                               shape.hidden_size, shape.ffn_hidden_size)
 
 
 def expected_experts_touched(num_experts: int, topk: int, tokens: float) -> float:
