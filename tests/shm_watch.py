@@ -66,10 +66,11 @@ def shm_before_session():
 
 @pytest.fixture(autouse=True)
 def _no_shm_segments_left(shm_before_session, request):
-    """Fails the test that leaves vLLM shared-memory segments in /dev/shm (ours, or vLLM's default names), naming the test and the files, and removes them so the next engine can start. A segment still
-    mapped by a live process is an engine at work (the other xdist worker's) and is not counted; the test beside
-    this one could still end in the moment between this test's start and end, so on the rare failure read the
-    name: ours carry their job's token."""
+    """Fails the test that leaves vLLM shared-memory segments in /dev/shm (ours, or vLLM's default names), naming
+    the test and the files, and removes them so the next engine can start. A segment still mapped by a live process
+    is an engine at work (the other xdist worker's) and is not counted; the test beside this one could still end in
+    the moment between this test's start and end, so on the rare failure read the name: ours carry their job's
+    token."""
     before = segment_names() | shm_before_session
     yield
     left = leftovers(before)
