@@ -91,11 +91,15 @@ def optim(key: str, o, total_steps: int | None) -> None:
     if not _finite(o.lr):
         raise ValueError(f"{key}.lr={o.lr} must be a finite number >= 0")
     steps = o.total_training_steps if o.total_training_steps > 0 else total_steps
+    style = getattr(o, "lr_decay_style", None) or o.lr_scheduler  # verl's name wins when given
     try:
-        LRSchedule(base_lr=float(o.lr), style=o.lr_scheduler, warmup_steps=int(o.lr_warmup_steps),
+        LRSchedule(base_lr=float(o.lr), style=style, warmup_steps=int(o.lr_warmup_steps),
                    total_steps=steps if steps else int(o.lr_warmup_steps) + 1, min_lr_ratio=float(o.min_lr_ratio))
     except ValueError as e:
-        raise ValueError(f"{key}.{str(e).removeprefix('optim.')}") from None
+        text = str(e).removeprefix("optim.")
+        if getattr(o, "lr_decay_style", None):
+            text = text.replace("lr_scheduler=", "lr_decay_style=")
+        raise ValueError(f"{key}.{text}") from None
     if not _finite(o.weight_decay) or o.weight_decay < 0:
         raise ValueError(f"{key}.weight_decay={o.weight_decay} must be a finite number >= 0")
     if not _finite(o.clip_grad) or o.clip_grad <= 0:

@@ -8,7 +8,7 @@ not call hybridflow.trainer.main.validate, which needs the model weights and dat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hybridflow.config.schema import HybridFlowConfig, MegatronConfig
 from hybridflow.parallel.dims import GenerationDims, LayoutError, ParallelDims
@@ -159,6 +159,10 @@ def _dims(key: str, m: MegatronConfig, world: int, shape: Shape) -> ParallelDims
     if world % (tp * pp * cp):
         raise PlanInputError(f"{key}: tp*pp*cp = {tp * pp * cp} does not divide trainer.nnodes*n_gpus_per_node "
                              f"= {world}")
+    if m.sequence_parallel is None:  # null: the trainer's rule (preflight resolves it the same way)
+        from hybridflow.parallel.dims import default_sequence_parallel
+
+        m = replace(m, sequence_parallel=default_sequence_parallel(tp, shape.model_shape))
     try:
         return ParallelDims.from_megatron_config(m, world).validate(world, shape.model_shape)
     except LayoutError as e:
@@ -197,7 +201,6 @@ def options_from_config(cfg: HybridFlowConfig, options: Options) -> Options:
     unfused attention's s^2 tensors).
 
     The planner models full recompute as megatron's uniform method with 1 layer per checkpoint."""
-    from dataclasses import replace
 
     a = cfg.actor_rollout_ref
     m = a.actor.megatron
