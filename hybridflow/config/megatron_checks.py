@@ -52,13 +52,13 @@ _MODEL_JSON = ("set from the model's config.json, so the Megatron model matches 
 OWNED: dict[str, dict[str, tuple[str, str]]] = {
     TRANSFORMER: {
         **{f: ("the parallel layout has its own keys", f"<role>.megatron.{f}") for f in _LAYOUT},
-        **{f: ("the precision has its own key", "<role>.model.dtype (auto, bfloat16, float32)") for f in _DTYPE},
+        **{f: ("the precision has its own key", "<model>.model.dtype (auto, bfloat16, float32)") for f in _DTYPE},
         **{f: _MODEL_JSON for f in _SHAPE},
         "moe_router_load_balancing_type": (
             "follows the aux-loss coefficient (aux_loss when it is > 0, none otherwise)",
             "<role>.megatron.override_transformer_config.moe_aux_loss_coeff"),
         "moe_enable_routing_replay": ("always on here: it only gives each router a replay slot (routing replay)",
-                                      "<role>.actor.router_replay.mode=R3 to replay the rollout's routing"),
+                                      "actor_rollout_ref.actor.router_replay.mode=R3 to replay the rollout's routing"),
     },
     OPTIMIZER: {
         "optimizer": ("this stack runs Adam(W)", "drop it"),
@@ -68,7 +68,7 @@ OWNED: dict[str, dict[str, tuple[str, str]]] = {
         "adam_beta1": ("Adam's betas have their own key", "<role>.optim.betas=[beta1,beta2]"),
         "adam_beta2": ("Adam's betas have their own key", "<role>.optim.betas=[beta1,beta2]"),
         "clip_grad": ("gradient clipping has its own key", "<role>.optim.clip_grad"),
-        **{f: ("the precision has its own key", "<role>.model.dtype") for f in ("bf16", "fp16", "params_dtype")},
+        **{f: ("the precision has its own key", "<model>.model.dtype") for f in ("bf16", "fp16", "params_dtype")},
         "use_distributed_optimizer": ("it has its own key", "<role>.megatron.use_distributed_optimizer"),
     },
 }
@@ -156,7 +156,8 @@ def classify(which: str, path: str, value) -> str | None:
     """None if `path` (a key `...<section>.<field>[.<sub>]`) may hold `value`; otherwise the problem, naming the
     key: an unknown field (with the nearest one), or a refusal with what to write instead (verl_compat's form)."""
     name = path.split(f"{SECTIONS[which]}.", 1)[1].split(".", 1)[0]
-    role = path.split(".megatron.", 1)[0].split(".optim.", 1)[0]
+    role = path.split(".megatron.", 1)[0].split(".optim.", 1)[0]  # e.g. actor_rollout_ref.actor, critic
+    model = "actor_rollout_ref" if role.startswith("actor_rollout_ref") else role  # whose model.dtype
     fields = field_names(which)
     if name not in fields:
         near = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.6)
@@ -164,7 +165,8 @@ def classify(which: str, path: str, value) -> str | None:
         return f"unknown Megatron {which} field '{name}' in '{path}'{hint}"
     if name in OWNED[which]:
         why, use = OWNED[which][name]
-        return f"verl key '{path}={value}' is refused here: {why}; instead: {use.replace('<role>', role)}"
+        use = use.replace("<role>", role).replace("<model>", model)
+        return f"verl key '{path}={value}' is refused here: {why}; instead: {use}"
     if name in NOT_SUPPORTED[which]:
         default, why = NOT_SUPPORTED[which][name]
         if value != default:
@@ -177,18 +179,16 @@ def needs_cuda(which: str, name: str, value) -> bool:
     return bool(test and test(value))
 
 
-def cuda_only_settings(roles: dict[str, object]) -> list[str]:
-    """`key=value` for every CUDA-only override in {role key: MegatronConfig-or-OptimConfig owner} (see
-    overrides_of), in role order."""
+def cuda_only_settings(sections: dict[str, tuple[str, dict]]) -> list[str]:
+    """`key=value` of every CUDA-only setting in {section prefix: (TRANSFORMER | OPTIMIZER, {field: value})}."""
     out = []
-    for role, (which, values) in roles.items():
-        out += [f"{role}.{SECTIONS[which]}.{k}={v}" for k, v in values.items() if needs_cuda(which, k, v)]
+    for prefix, (which, values) in sections.items():
+        out += [f"{prefix}.{SECTIONS[which]}.{k}={v}" for k, v in values.items() if needs_cuda(which, k, v)]
     return out
 
 
 def overrides_of(section) -> dict:
-    """Every field an override section sets: its typed fields that differ from Megatron-neutral defaults are
-    handled by their own code paths, so this is the pass-through part (`other`) plus the typed fields given."""
+    """The pass-through fields of an override section (its `other`); the typed ones have code paths of their own."""
     return dict(getattr(section, "other", None) or {})
 
 
