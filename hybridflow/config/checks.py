@@ -152,6 +152,16 @@ def sampling(cfg) -> None:
                  ("data.max_response_length", d.max_response_length)):
         if not _is_count(v):
             raise ValueError(f"{k}={v} must be an integer >= 1 (tokens)")
+    for k in ("max_num_batched_tokens", "max_num_seqs"):  # vLLM's engine arguments (null: its default)
+        if getattr(r, k) is not None and not _is_count(getattr(r, k)):
+            raise ValueError(f"{key}.{k}={getattr(r, k)} must be an integer >= 1 (or null: vLLM's default)")
+    longest = d.max_prompt_length + r.response_length
+    budget = r.max_num_batched_tokens
+    if r.enable_chunked_prefill is False and budget is not None and budget < longest:
+        # without chunked prefill vLLM schedules a whole prompt in one step, so it refuses to start
+        raise ValueError(f"{key}.max_num_batched_tokens={r.max_num_batched_tokens} with {key}.enable_chunked_prefill="
+                         f"false cannot hold one sequence of data.max_prompt_length + response_length = {longest} "
+                         "tokens; raise it or turn chunked prefill on")
 
 
 def trainer_keys(t) -> None:
