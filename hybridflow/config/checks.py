@@ -177,6 +177,9 @@ def trainer_keys(t) -> None:
         raise ValueError(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be >= 1 (or null: keep all)")
     if not _finite(t.ray.timeout_s) or t.ray.timeout_s <= 0:
         raise ValueError(f"trainer.ray.timeout_s={t.ray.timeout_s} must be > 0 (every blocking wait is bounded)")
+    if not isinstance(t.log_val_generations, int) or t.log_val_generations < 0:
+        raise ValueError(f"trainer.log_val_generations={t.log_val_generations} must be >= 0 (samples shown per "
+                         "validation; 0: none)")
     prometheus(t)
 
 

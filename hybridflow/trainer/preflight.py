@@ -229,6 +229,9 @@ def validate(cfg: HybridFlowConfig) -> None:
     checks.token_budgets(cfg)  # after critic.enable is known
     checks.resume(cfg)  # after critic.enable is known: a critic run needs the checkpoint's critic
     checks.reward_fn(cfg.custom_reward_function)
+    from hybridflow.rewards.overlong import check as check_reward_manager
+
+    check_reward_manager(cfg.reward_model, cfg.data.max_response_length)
     _validate_verl_shared_keys(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and a.rollout.n < 2:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
