@@ -153,3 +153,44 @@ def test_a_dapo_script_loads_with_verls_reward_keys():
     assert (buffer.enable, buffer.len, buffer.penalty_factor, buffer.log) == (True, 4096, 1.0, False)
     assert rm.reward_kwargs.max_resp_len == 8192
     json.dumps(buffer.__dict__)  # plain values, as the run's config.yaml keeps them
+
+
+@pytest.mark.slow
+def test_use_dist_checkpointing_starts_the_roles_from_the_dist_checkpoint(tmp_path):
+    """verl's use_dist_checkpointing: an HF model converted to a dist checkpoint at TP2 starts the actor and the
+    critic's body at TP1 x PP2, although model.path names another model of the same shape (tied embeddings:
+    the checkpoint has no output layer, the critic's untied body takes the embedding)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "mcore_scripts"))
+    from train_common import run_torchrun
+
+    from hybridflow.models.tiny import save_tiny_model
+
+    a = save_tiny_model(tmp_path / "a", preset="tiny", arch="qwen2", seed=1, tie_word_embeddings=True,
+                        num_hidden_layers=2)
+    b = save_tiny_model(tmp_path / "b", preset="tiny", arch="qwen2", seed=2, tie_word_embeddings=True,
+                        num_hidden_layers=2)
+    out = run_torchrun("dist_ckpt_start.py", 2, ["--hf-a", str(a), "--hf-b", str(b), "--ckpt", str(tmp_path / "ckpt")],
+                       timeout=300)
+    results = json.loads(next(line[7:] for line in out.splitlines() if line.startswith("RESULT ")))
+    for rank in results:  # each pipeline stage holds half the layers
+        assert rank["same_names"] and rank["actor_equals_a"] and rank["critic_body_equals_a"], rank
+        assert rank["actor_differs_from_b"] > 0 and rank["critic_has_head"], rank
+
+
+@pytest.mark.bad_input
+def test_use_dist_checkpointing_needs_a_dist_checkpoint(tmp_path):
+    from hybridflow.config.checks import dist_checkpoints
+
+    key = "actor_rollout_ref.actor.megatron"
+    cfg = load_config(None, [f"{key}.use_dist_checkpointing=True", f"{key}.dist_checkpointing_path={tmp_path}"])
+    with pytest.raises(FileNotFoundError, match=rf"{key}.use_dist_checkpointing=true: {key}.dist_checkpointing_path="
+                                                rf"'{tmp_path}' is not a Megatron dist checkpoint \(no metadata.json"):
+        dist_checkpoints(cfg)
+    (tmp_path / "metadata.json").write_text("{}")
+    dist_checkpoints(cfg)
+    cfg = load_config(None, [f"{key}.use_dist_checkpointing=True"])
+    with pytest.raises(FileNotFoundError, match=r"dist_checkpointing_path=None is not"):
+        dist_checkpoints(cfg)

@@ -206,6 +206,23 @@ def resume(cfg) -> None:
         check_resume_path(mode, ("actor", "critic") if cfg.critic.enable else ("actor",))
 
 
+def dist_checkpoints(cfg) -> None:
+    """verl's use_dist_checkpointing: every role that starts from a Megatron dist checkpoint names one (the file
+    dist_checkpointing writes first), before any worker would fail to read it."""
+    a = cfg.actor_rollout_ref
+    roles = {"actor_rollout_ref.actor": a.actor.megatron, "actor_rollout_ref.ref": a.ref.megatron}
+    if cfg.critic.enable:
+        roles["critic"] = cfg.critic.megatron
+    if cfg.reward_model.enable:
+        roles["reward_model"] = cfg.reward_model.megatron
+    for role, m in roles.items():
+        path = m.dist_checkpointing_path
+        if m.use_dist_checkpointing and not (path and os.path.isfile(os.path.join(path, "metadata.json"))):
+            raise FileNotFoundError(f"{role}.megatron.use_dist_checkpointing=true: {role}.megatron."
+                                    f"dist_checkpointing_path={path!r} is not a Megatron dist checkpoint (no "
+                                    "metadata.json); `python -m megatron_workers.convert hf-to-mcore` writes one")
+
+
 def reward_fn(c) -> None:
     """custom_reward_function: imported here (a file that does not import, or lacks the function, fails the
     run now); how it behaves per sample (raises, NaN, hangs) is the RewardManager's: scored 0 and counted."""

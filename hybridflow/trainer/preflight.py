@@ -228,6 +228,7 @@ def validate(cfg: HybridFlowConfig) -> None:
     _validate_precision(cfg)  # after critic.enable is known
     checks.token_budgets(cfg)  # after critic.enable is known
     checks.resume(cfg)  # after critic.enable is known: a critic run needs the checkpoint's critic
+    checks.dist_checkpoints(cfg)
     checks.reward_fn(cfg.custom_reward_function)
     from hybridflow.rewards.overlong import check as check_reward_manager
 
