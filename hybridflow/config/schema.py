@@ -44,7 +44,7 @@ class OverrideTransformerConfig:
     # alltoall (runs on gloo: all_to_all_single is supported there) | allgather
     moe_token_dispatcher_type: str = "alltoall"
     # Transformer Engine's grouped GEMM over a rank's experts; null: on when TE's spec is in use (GPU), else the
-    # sequential experts (one GEMM pair per expert)
+    # sequential experts (one GEMM pair per expert); true without CUDA: the sequential experts (logged once)
     moe_grouped_gemm: bool | None = None
     # Any other field of megatron-core's TransformerConfig, by its name: `override_transformer_config.<field>=v`
     # lands here (checked by name at load; fields our own keys set are refused there, naming the key). Fields that

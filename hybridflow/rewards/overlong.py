@@ -47,6 +47,13 @@ def shape_scores(rm_cfg, max_response_length: int, scores, lengths) -> tuple[np.
     return scores + penalty, metrics
 
 
+def shape_batch_scores(cfg, batch, scores) -> tuple[np.ndarray, dict[str, float]]:
+    """shape_scores for a scored rollout batch (DataProto): each response's length from its attention mask."""
+    width = batch.batch["responses"].shape[1]
+    lengths = batch.batch["attention_mask"][:, -width:].sum(-1).tolist()
+    return shape_scores(cfg.reward_model, cfg.data.max_response_length, scores, lengths)
+
+
 def check(rm_cfg, max_response_length: int) -> None:
     """reward_model.reward_manager and reward_kwargs, before Ray; each error names its key."""
     key = "reward_model.reward_kwargs"

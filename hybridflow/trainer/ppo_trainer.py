@@ -181,12 +181,9 @@ class RayPPOTrainer:
         nt = batch.non_tensor_batch
         scores, metrics = self.reward_fn.score(texts, list(nt["ground_truth"]), list(nt["data_source"]),
                                                list(nt.get("extra_info", [None] * len(texts))))
-        # reward_model.reward_manager: dapo adds the overlong penalty by each response's length (tool tokens too)
-        from hybridflow.rewards.overlong import shape_scores
+        from hybridflow.rewards.overlong import shape_batch_scores
 
-        width = batch.batch["responses"].shape[1]
-        scores, extra = shape_scores(self.cfg.reward_model, self.cfg.data.max_response_length, scores,
-                                     batch.batch["attention_mask"][:, -width:].sum(-1).tolist())
+        scores, extra = shape_batch_scores(self.cfg, batch, scores)  # reward_model.reward_manager (dapo: overlong)
         return scores_to_token_level(scores, batch.batch["response_mask"]), {**metrics, **extra}
 
     def compute_reward(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
