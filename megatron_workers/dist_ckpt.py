@@ -183,6 +183,39 @@ def load_checkpoint(path: str | os.PathLike, model: list, optimizer=None, schedu
     return common["extra"]
 
 
+def load_weights(path: str | os.PathLike, model: list) -> None:
+    """Collective. The model's weights only from a dist checkpoint (verl's use_dist_checkpointing: a role starts from
+    dist_checkpointing_path instead of the HF safetensors), at this rank's layout, whatever layout wrote it.
+
+    A checkpoint of a model with tied embeddings (hf-to-mcore of e.g. a tied Qwen2) has no output layer; a model
+    built untied from it (the critic's body, whose output layer the value head replaces) takes the embedding for
+    its output layer, as the HF loader does."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_workers.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    path = Path(path)
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(f"{path} is not a dist_checkpointing checkpoint (no metadata.json)")
+    refuse_unsafe_pickles(path)
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = _model_sharded_state_dict(model)
+    for chunk_state in [state] if len(model) == 1 else state.values():
+        out = chunk_state.get("output_layer.weight")
+        if out is not None and out.key not in saved and "embedding.word_embeddings.weight" in saved:
+            out.key = "embedding.word_embeddings.weight"  # same global shape and vocab split
+            # a second reader of the embedding: not its main replica (each element has one), as megatron marks
+            # a tied output layer
+            replica = out.replica_id if isinstance(out.replica_id, tuple) else (out.replica_id,)
+            out.replica_id = (1, *replica[1:])
+    loaded = dist_checkpointing.load({"model": state}, str(path))["model"]
+    for i, chunk in enumerate(model):
+        _unwrap(chunk).load_state_dict(loaded if len(model) == 1 else loaded[f"model{i}"])
+    logger.info("loaded weights from %s (saved at %s, now %s)", path, saved_layout(path), _layout())
+
+
 def refuse_unsafe_pickles(path: str | os.PathLike) -> None:
     """Load every pickle-based file of the checkpoint weights-only first, whatever torch's default or
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD say: a planted payload fails here (UnpicklingError), before megatron's

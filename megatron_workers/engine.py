@@ -537,7 +537,12 @@ def build_role_engine(model_path: str, dims, dtype: str = "auto", optim=None, me
                                     megatron_cfg=megatron_cfg)
     else:
         chunks = build_model_chunks(hf_config, dims, dtype=torch_dtype, megatron_cfg=megatron_cfg)
-    load_hf_into_mcore(chunks, model_path, hf_config=hf_config)
+    if getattr(megatron_cfg, "use_dist_checkpointing", False):  # verl's key: start from a Megatron dist checkpoint
+        from megatron_workers.dist_ckpt import load_weights
+
+        load_weights(megatron_cfg.dist_checkpointing_path, chunks)
+    else:
+        load_hf_into_mcore(chunks, model_path, hf_config=hf_config)
     model = chunks[-1]  # the chunk with the output layer, on the last stage
     if scalar_head:
         from megatron_workers.heads import attach_scalar_head

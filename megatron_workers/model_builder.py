@@ -34,7 +34,8 @@ UNSUPPORTED_ROUTERS = {
     "qwen3_next": "Qwen3-Next's hybrid linear attention",
 }
 MOE_ROUTER_DTYPES = ("fp32", "fp64")
-MOE_DISPATCHERS = ("alltoall", "allgather")
+# flex (DeepEP's dispatcher) needs CUDA: where the model is built without it, alltoall runs instead
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
 
 # Megatron-LM's convention: the vocab is padded so every TP shard has a multiple of 128 rows.
 VOCAB_PAD_MULTIPLE = 128
@@ -196,13 +197,17 @@ def check_moe_options(o, key: str) -> None:
 def moe_grouped_gemm(megatron_cfg, key: str = "megatron") -> bool:
     """override_transformer_config.moe_grouped_gemm (null: auto): Transformer Engine's grouped GEMM over a rank's
     experts, which needs TE's layer spec (GPU); else the sequential experts (one GEMM pair per expert, portable).
-    Checked on the GPU box only by launch/gpu_check.sh; set false to keep the sequential experts there too."""
+    true without CUDA is one of the CUDA-only settings (megatron_checks.CUDA_ONLY): the sequential experts run;
+    true on a GPU without TE's spec is refused. Checked on the GPU box only by launch/gpu_check.sh; set false to
+    keep the sequential experts there too."""
     o = getattr(megatron_cfg, "override_transformer_config", None)
     asked = getattr(o, "moe_grouped_gemm", None)
     te = resolve_transformer_impl(getattr(megatron_cfg, "transformer_impl", "auto"))[0] == "transformer_engine"
+    if asked and not te and not torch.cuda.is_available():
+        return False
     if asked and not te:
         raise ValueError(f"{key}.override_transformer_config.moe_grouped_gemm=true needs Transformer Engine's "
-                         f"layer spec ({key}.transformer_impl resolves to local here: no CUDA or no TE)")
+                         f"layer spec ({key}.transformer_impl resolves to local here: TE does not import)")
     return te if asked is None else bool(asked)
 
 
@@ -222,7 +227,7 @@ def _moe_fields(facts: HFModelFacts, dims: ParallelDims, megatron_cfg) -> dict:
         # renormalisation (Qwen's norm_topk_prob=false) the softmax runs over all experts first.
         moe_router_pre_softmax=not facts.norm_topk_prob,
         moe_router_dtype=getattr(o, "moe_router_dtype", "fp32"),
-        moe_token_dispatcher_type=getattr(o, "moe_token_dispatcher_type", "alltoall"),
+        moe_token_dispatcher_type=_portable(o, "moe_token_dispatcher_type", "alltoall"),
         moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
         moe_aux_loss_coeff=coeff,
         moe_grouped_gemm=moe_grouped_gemm(megatron_cfg),
@@ -237,8 +242,20 @@ def _moe_fields(facts: HFModelFacts, dims: ParallelDims, megatron_cfg) -> dict:
     return fields
 
 
+def _portable(o, name: str, portable):
+    """A typed override field's value for a model built here: a CUDA-only value (megatron_checks.CUDA_ONLY) is
+    replaced by the portable one where there is no CUDA (preflight logs that once)."""
+    from hybridflow.config.megatron_checks import TRANSFORMER, needs_cuda
+
+    value = getattr(o, name, portable)
+    return portable if not torch.cuda.is_available() and needs_cuda(TRANSFORMER, name, value) else value
+
+
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
-ATTENTION_BACKENDS = ("auto", "unfused")  # override_transformer_config.attention_backend (local spec)
+# override_transformer_config.attention_backend: auto and unfused pick the local spec's attention (torch SDPA,
+# megatron's DotProductAttention); flash and fused are Transformer Engine's kernels (TE's spec, GPU), and auto on
+# the local spec
+ATTENTION_BACKENDS = ("auto", "unfused", "flash", "fused")
 
 
 def _transformer_engine_usable() -> bool:
@@ -299,9 +316,17 @@ def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype =
         raise ValueError(f"dtype={dtype} is not supported (float32, bfloat16, float16)")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    from hybridflow.config.megatron_checks import transformer_fields
+
+    o = getattr(megatron_cfg, "override_transformer_config", None)
+    # The user's other TransformerConfig fields win over the builder's choices below (the fields the builder owns
+    # are refused at load: megatron_checks.OWNED); CUDA-only ones are not among them without CUDA.
+    overrides = transformer_fields(o, torch.cuda.is_available()) if o is not None else {}
+    backend = _te_attention_backend(megatron_cfg)
+    fields = dict(
         **recompute,
         **_moe_fields(facts, dims, megatron_cfg),
+        **({"attention_backend": backend} if backend is not None else {}),
         qk_layernorm=facts.qk_norm,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         num_layers=facts.num_layers,
@@ -341,6 +366,19 @@ def build_transformer_config(hf_config, dims: ParallelDims, dtype: torch.dtype =
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+    return TransformerConfig(**{**fields, **overrides})
+
+
+def _te_attention_backend(megatron_cfg):
+    """megatron's AttnBackend for attention_backend=flash / fused with TE's spec on CUDA; None otherwise (the
+    default, or the local spec, whose attention build_layer_spec picks)."""
+    name = getattr(getattr(megatron_cfg, "override_transformer_config", None), "attention_backend", "auto")
+    impl = resolve_transformer_impl(getattr(megatron_cfg, "transformer_impl", "auto"))[0]
+    if name not in ("flash", "fused") or impl != "transformer_engine":
+        return None
+    from megatron.core.transformer.enums import AttnBackend
+
+    return AttnBackend[name]
 
 
 def build_layer_spec(transformer_impl: str = "auto", attention_backend: str = "auto",
@@ -358,10 +396,13 @@ def build_layer_spec(transformer_impl: str = "auto", attention_backend: str = "a
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"{key}={attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
     if resolve_transformer_impl(transformer_impl)[0] == "transformer_engine":
-        if attention_backend != "auto":
+        if attention_backend == "unfused":
             raise ValueError(f"{key}={attention_backend} selects the local spec's attention; with "
-                             "megatron.transformer_impl=transformer_engine TE picks its own (use auto, or local)")
+                             "megatron.transformer_impl=transformer_engine TE picks its own (use auto, flash or "
+                             "fused, or the local spec)")
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    if attention_backend in ("flash", "fused"):  # TE's kernels; the local spec's fused attention is SDPA
+        attention_backend = "auto"
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
     if attention_backend == "auto":
         # The local spec's DotProductAttention materialises the s x s scores; the same attention through

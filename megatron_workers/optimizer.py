@@ -72,7 +72,7 @@ class LRSchedule:
     def from_optim_config(cls, optim) -> LRSchedule:
         return cls(
             base_lr=float(optim.lr),
-            style=optim.lr_scheduler,
+            style=getattr(optim, "lr_decay_style", None) or optim.lr_scheduler,  # verl's name wins when given
             warmup_steps=int(optim.lr_warmup_steps),
             total_steps=int(optim.total_training_steps),
             min_lr_ratio=float(optim.min_lr_ratio),
@@ -164,9 +164,15 @@ def build_optimizer(model_chunks: list, optim, use_distributed_optimizer: bool, 
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from hybridflow.config.megatron_checks import optimizer_fields
+
     schedule = LRSchedule.from_optim_config(optim)
     beta1, beta2 = (float(b) for b in optim.betas)
-    config = OptimizerConfig(
+    # Any other OptimizerConfig field from optim.override_optimizer_config wins over the defaults below (the ones
+    # set from our keys are refused at load); the CUDA-only ones (the CPU offload of the state) only on a GPU.
+    section = getattr(optim, "override_optimizer_config", None)
+    overrides = optimizer_fields(section, torch.cuda.is_available()) if section is not None else {}
+    config = OptimizerConfig(**{**dict(
         optimizer="adam",
         lr=schedule.lr_at(0),
         min_lr=schedule.base_lr * schedule.min_lr_ratio,
@@ -178,7 +184,7 @@ def build_optimizer(model_chunks: list, optim, use_distributed_optimizer: bool, 
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed_optimizer,
-    )
+    ), **overrides})
     optimizer = get_megatron_optimizer(config, model_chunks)
     _use_dp_group_as_gloo_group(optimizer)
     scheduler = LRScheduler(optimizer, schedule, weight_decay=float(optim.weight_decay))

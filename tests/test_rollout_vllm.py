@@ -45,7 +45,9 @@ def engine(request, tmp_path_factory):
     rng_before = torch.get_rng_state()
     # fp32: these compare with HF transformers token for token (bf16 flips ties; its bound is in
     # tests/test_hybrid_engine_workers.py)
-    rollout = VLLMRollout(str(path), RolloutConfig(response_length=R, n=1, seed=3,
+    # verl's engine keys (max_num_seqs above any batch here, so the scheduling is vLLM's default one)
+    rollout = VLLMRollout(str(path), RolloutConfig(response_length=R, n=1, seed=3, max_num_seqs=300,
+                                                   max_num_batched_tokens=3000, enable_chunked_prefill=True,
                                                    kv_cache_memory_bytes=64 * 1024 * 1024), dtype="float32")
     rollout.rng_kept_at_start = torch.equal(torch.get_rng_state(), rng_before)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -64,6 +66,10 @@ def test_layout_of_a_single_rank(engine):
     assert rollout.is_replica_leader
     assert rollout.pad_token_id == build_tokenizer().pad_token_id
     assert rollout.rng_kept_at_start, "building the engine changed the process's torch RNG state"
+    scheduler = rollout.llm.llm_engine.vllm_config.scheduler_config  # rollout.* keys reached the engine
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.enable_chunked_prefill) == (
+        300, 3000, True)
+    assert rollout.llm.llm_engine.vllm_config.model_config.enforce_eager  # always on CPU
 
 
 def test_on_cpu_generation_compiles_nothing(engine, tok):

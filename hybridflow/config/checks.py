@@ -91,11 +91,15 @@ def optim(key: str, o, total_steps: int | None) -> None:
     if not _finite(o.lr):
         raise ValueError(f"{key}.lr={o.lr} must be a finite number >= 0")
     steps = o.total_training_steps if o.total_training_steps > 0 else total_steps
+    style = getattr(o, "lr_decay_style", None) or o.lr_scheduler  # verl's name wins when given
     try:
-        LRSchedule(base_lr=float(o.lr), style=o.lr_scheduler, warmup_steps=int(o.lr_warmup_steps),
+        LRSchedule(base_lr=float(o.lr), style=style, warmup_steps=int(o.lr_warmup_steps),
                    total_steps=steps if steps else int(o.lr_warmup_steps) + 1, min_lr_ratio=float(o.min_lr_ratio))
     except ValueError as e:
-        raise ValueError(f"{key}.{str(e).removeprefix('optim.')}") from None
+        text = str(e).removeprefix("optim.")
+        if getattr(o, "lr_decay_style", None):
+            text = text.replace("lr_scheduler=", "lr_decay_style=")
+        raise ValueError(f"{key}.{text}") from None
     if not _finite(o.weight_decay) or o.weight_decay < 0:
         raise ValueError(f"{key}.weight_decay={o.weight_decay} must be a finite number >= 0")
     if not _finite(o.clip_grad) or o.clip_grad <= 0:
@@ -148,6 +152,16 @@ def sampling(cfg) -> None:
                  ("data.max_response_length", d.max_response_length)):
         if not _is_count(v):
             raise ValueError(f"{k}={v} must be an integer >= 1 (tokens)")
+    for k in ("max_num_batched_tokens", "max_num_seqs"):  # vLLM's engine arguments (null: its default)
+        if getattr(r, k) is not None and not _is_count(getattr(r, k)):
+            raise ValueError(f"{key}.{k}={getattr(r, k)} must be an integer >= 1 (or null: vLLM's default)")
+    longest = d.max_prompt_length + r.response_length
+    budget = r.max_num_batched_tokens
+    if r.enable_chunked_prefill is False and budget is not None and budget < longest:
+        # without chunked prefill vLLM schedules a whole prompt in one step, so it refuses to start
+        raise ValueError(f"{key}.max_num_batched_tokens={r.max_num_batched_tokens} with {key}.enable_chunked_prefill="
+                         f"false cannot hold one sequence of data.max_prompt_length + response_length = {longest} "
+                         "tokens; raise it or turn chunked prefill on")
 
 
 def trainer_keys(t) -> None:
@@ -163,6 +177,9 @@ def trainer_keys(t) -> None:
         raise ValueError(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be >= 1 (or null: keep all)")
     if not _finite(t.ray.timeout_s) or t.ray.timeout_s <= 0:
         raise ValueError(f"trainer.ray.timeout_s={t.ray.timeout_s} must be > 0 (every blocking wait is bounded)")
+    if not isinstance(t.log_val_generations, int) or t.log_val_generations < 0:
+        raise ValueError(f"trainer.log_val_generations={t.log_val_generations} must be >= 0 (samples shown per "
+                         "validation; 0: none)")
     prometheus(t)
 
 
@@ -187,6 +204,23 @@ def resume(cfg) -> None:
     mode = str(cfg.trainer.resume_mode)
     if mode not in ("auto", "disable"):
         check_resume_path(mode, ("actor", "critic") if cfg.critic.enable else ("actor",))
+
+
+def dist_checkpoints(cfg) -> None:
+    """verl's use_dist_checkpointing: every role that starts from a Megatron dist checkpoint names one (the file
+    dist_checkpointing writes first), before any worker would fail to read it."""
+    a = cfg.actor_rollout_ref
+    roles = {"actor_rollout_ref.actor": a.actor.megatron, "actor_rollout_ref.ref": a.ref.megatron}
+    if cfg.critic.enable:
+        roles["critic"] = cfg.critic.megatron
+    if cfg.reward_model.enable:
+        roles["reward_model"] = cfg.reward_model.megatron
+    for role, m in roles.items():
+        path = m.dist_checkpointing_path
+        if m.use_dist_checkpointing and not (path and os.path.isfile(os.path.join(path, "metadata.json"))):
+            raise FileNotFoundError(f"{role}.megatron.use_dist_checkpointing=true: {role}.megatron."
+                                    f"dist_checkpointing_path={path!r} is not a Megatron dist checkpoint (no "
+                                    "metadata.json); `python -m megatron_workers.convert hf-to-mcore` writes one")
 
 
 def reward_fn(c) -> None:

@@ -22,10 +22,19 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from hybridflow.config import verl_compat
-from hybridflow.config.schema import INTERPOLATED_DEFAULTS, HybridFlowConfig
+from hybridflow.config import megatron_checks, verl_compat
+from hybridflow.config.schema import (
+    INTERPOLATED_DEFAULTS,
+    HybridFlowConfig,
+    OverrideOptimizerConfig,
+    OverrideTransformerConfig,
+)
 
 log = logging.getLogger(__name__)
+
+# Sections that take any field of a megatron-core dataclass by name; the fields they do not type go to `other`.
+_MEGATRON_SECTIONS = {OverrideTransformerConfig: megatron_checks.TRANSFORMER,
+                      OverrideOptimizerConfig: megatron_checks.OPTIMIZER}
 
 
 class ConfigError(ValueError):
@@ -72,8 +81,16 @@ def _filter_keys(node: dict, cls, prefix: str, source: str, ignored: dict, probl
     """Check one layer against the schema, in place: verl keys the compat table ignores are removed (and
     collected in `ignored`), refused and unknown keys are collected in `problems`."""
     names = {f.name: f for f in dataclasses.fields(cls)}
+    megatron = _MEGATRON_SECTIONS.get(cls)
     for key in list(node):
         value, path = node[key], f"{prefix}{key}"
+        if megatron and (key not in names or key == "other"):
+            fields = value if key == "other" and isinstance(value, dict) else {key: value}
+            bad = [megatron_checks.classify(megatron, f"{prefix}{k}", v) for k, v in fields.items()]
+            problems += [f"{b} (in {source})" for b in bad if b]
+            if key != "other":  # a Megatron field we do not type: kept by name in `other`
+                node.setdefault("other", {})[key] = node.pop(key)
+            continue
         if key not in names:
             verdicts = [(leaf, verl_compat.classify(leaf, v)) for leaf, v in _leaves(path, value)]
             if all(v is None for _, v in verdicts):
@@ -100,6 +117,10 @@ def _filter_keys(node: dict, cls, prefix: str, source: str, ignored: dict, probl
             problems.append(f"'{path}' is a list, got a mapping {value!r:.80} in {source}; write {path}=[a,b]")
         elif _is_list_field(f) and isinstance(value, str) and not value.startswith("${"):
             node[key] = [value]  # verl (and its data loader / tracker) takes one string for a list
+        if not dataclasses.is_dataclass(default):
+            verdict = verl_compat.check_value(path, node[key])  # a verl value of our key that we do not have
+            if verdict is not None:
+                problems.append(f"{verdict.message} (in {source})")
 
 
 def _checked_layer(cfg, source: str, ignored: dict):

@@ -8,6 +8,7 @@ the nearest valid key. Workers receive their own sub-tree (e.g. ActorConfig).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -43,8 +44,21 @@ class OverrideTransformerConfig:
     # alltoall (runs on gloo: all_to_all_single is supported there) | allgather
     moe_token_dispatcher_type: str = "alltoall"
     # Transformer Engine's grouped GEMM over a rank's experts; null: on when TE's spec is in use (GPU), else the
-    # sequential experts (one GEMM pair per expert)
+    # sequential experts (one GEMM pair per expert); true without CUDA: the sequential experts (logged once)
     moe_grouped_gemm: bool | None = None
+    # Any other field of megatron-core's TransformerConfig, by its name: `override_transformer_config.<field>=v`
+    # lands here (checked by name at load; fields our own keys set are refused there, naming the key). Fields that
+    # need CUDA (fusions, DeepEP, ...) are used where the model is built on a GPU and left off on CPU
+    # (hybridflow/config/megatron_checks.py has the tables and the precedence over the model builder's values).
+    other: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OverrideOptimizerConfig:
+    """Megatron OptimizerConfig fields (verl's `optim.override_optimizer_config`): any field by its name, checked
+    at load like override_transformer_config's (e.g. the CPU offload of the optimizer state, used on GPU only)."""
+
+    other: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,7 +72,9 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     # Context parallel needs Transformer Engine's attention on GPU; refused at config time (any value but 1).
     context_parallel_size: int = 1
-    sequence_parallel: bool = False
+    # null: on for a Mixture-of-Experts model under TP > 1 (Megatron trains MoE layers under TP only with it), off
+    # otherwise; verl's default is on wherever TP > 1 (set true to match for a dense model). Resolved before Ray.
+    sequence_parallel: bool | None = None
     # Mixture-of-Experts meshes (Megatron's names, as verl spells them): experts split over ep ranks, each
     # expert's matrices over etp ranks (null: = tensor_model_parallel_size). ep x etp must divide tp*cp*dp.
     expert_model_parallel_size: int = 1
@@ -75,6 +91,11 @@ class MegatronConfig:
     grad_offload: bool = False
     optimizer_offload: bool = False
     seed: int = 1
+    # verl's keys: start from a Megatron dist checkpoint (dist_checkpointing_path, e.g. written by
+    # `python -m megatron_workers.convert hf-to-mcore`) instead of the HF safetensors of model.path; the HF
+    # directory still gives the config and tokenizer. Loaded at any TP/PP (megatron_workers/dist_ckpt.py).
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: str | None = None
 
 
 @dataclass
@@ -85,8 +106,11 @@ class OptimConfig:
     clip_grad: float = 1.0
     lr_warmup_steps: int = 0
     lr_scheduler: str = "constant"  # constant | linear | cosine
+    # verl's Megatron name for the same schedule (constant | linear | cosine); null: lr_scheduler's. Set, it wins.
+    lr_decay_style: str | None = None
     min_lr_ratio: float = 0.0
     total_training_steps: int = -1  # filled in by the trainer
+    override_optimizer_config: OverrideOptimizerConfig = field(default_factory=OverrideOptimizerConfig)
 
 
 @dataclass
@@ -214,6 +238,15 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int | None = 16384
     # MoE: record each token's experts for routing replay (verl's key; with actor.router_replay.mode=R3)
     enable_rollout_routing_replay: bool = False
+    # vLLM engine arguments, as verl passes them (null: vLLM's own default). enforce_eager is always on for CPU
+    # (no CUDA graphs there). free_cache_engine: between generations the engine sleeps (KV cache and weights freed
+    # for training) on GPU; vLLM has no sleep mode on CPU, so there it keeps both.
+    enable_chunked_prefill: bool | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool = False
+    free_cache_engine: bool = True
+    disable_log_stats: bool = True
     reshard_bucket_bytes: int = 64 * 1024 * 1024
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     # sync: one generate over the step's whole batch (the default). async: server mode, requests one at a time
@@ -256,6 +289,25 @@ class CriticConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (verl's reward_kwargs.overlong_buffer_cfg): a response longer than
+    max_resp_len - len tokens loses (length - (max_resp_len - len)) / len * penalty_factor, at most penalty_factor."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = False  # also report reward/overlong_reward (mean penalty) and reward/overlong (share penalised)
+
+
+@dataclass
+class RewardKwargsConfig:
+    """Arguments of the reward manager (verl's reward_model.reward_kwargs), for reward_manager=dapo."""
+
+    max_resp_len: int | None = None  # the response budget the buffer counts back from; null: data.max_response_length
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -269,6 +321,10 @@ class RewardModelConfig:
     #            reward model is on), so data sources without a scorer work;
     #   add:     rule score + model score, both on the last valid response token.
     reward_mode: str = "replace"
+    # verl's reward manager for the rule/user scores: naive (each score as the scorer returns it) | dapo (the
+    # same, plus DAPO's overlong penalty from reward_kwargs.overlong_buffer_cfg; hybridflow/rewards/overlong.py)
+    reward_manager: str = "naive"
+    reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
 
 
 @dataclass
@@ -416,6 +472,9 @@ class TrainerConfig:
     balance_batch: bool = True
     test_freq: int = -1
     validation_data_dir: str | None = None  # write each validation's samples to <dir>/step_<N>.jsonl (verl's key)
+    # verl's key: after each validation, print this many of its samples (prompt, response, score) to the console
+    # and log them to the trackers that keep text (jsonl, wandb, tensorboard, mlflow); 0: none
+    log_val_generations: int = 0
     ray: RayConfig = field(default_factory=RayConfig)
     # On a dead worker: tear down every group and rebuild, resuming from the newest complete checkpoint, at
     # most this many times per run (0: the run ends with the error).
@@ -439,6 +498,7 @@ INTERPOLATED_DEFAULTS = {
     **{f"actor_rollout_ref.{r}.log_prob_max_token_len_per_gpu": "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"
        for r in ("ref", "rollout")},
     "critic.use_dynamic_bsz": "${actor_rollout_ref.actor.use_dynamic_bsz}",
+    "critic.ppo_mini_batch_size": "${actor_rollout_ref.actor.ppo_mini_batch_size}",  # verl's critic.yaml
     "critic.forward_max_token_len_per_gpu": "${critic.ppo_max_token_len_per_gpu}",
     "reward_model.use_dynamic_bsz": "${critic.use_dynamic_bsz}",
     "reward_model.forward_max_token_len_per_gpu": "${critic.forward_max_token_len_per_gpu}",

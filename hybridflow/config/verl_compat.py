@@ -7,7 +7,11 @@ an unknown key. A rule either
   - REFUSES it, with what to use instead: a verl name we spell differently, a value whose meaning differs
     here, or a feature that is not supported yet (and what to do meanwhile).
 Some rules depend on the value: `actor_rollout_ref.actor.strategy=megatron` is what we do (ignored), any
-other strategy is refused.
+other strategy is refused. A rule may also name a key of our schema with `keep_values`: verl's values we have
+are accepted, the others (a verl feature we do not have, e.g. `actor_rollout_ref.rollout.name=sglang`) are
+refused at load with what to write instead, so a pasted script shows them with its other refused keys.
+Megatron's own fields under `override_transformer_config` / `override_optimizer_config` are checked by
+hybridflow/config/megatron_checks.py.
 
 Keys that exist in both schemas with the same meaning are not listed here: they are ours
 (hybridflow/config/schema.py). The two tables of docs/verl.md ("Coming from verl") are generated from RULES
@@ -18,12 +22,17 @@ page equal to them.
 from __future__ import annotations
 
 import fnmatch
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 IGNORED, REFUSED = "ignored", "refused"
 # The page that shows both tables (a checkout's docs/; not part of an installed package).
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
+# verl's own example command lines, expanded (tests/data/verl_overrides/expand.py); the page counts their keys.
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "data" / "verl_overrides"
+CLASSES = ("accepted", "ignored", "refused", "unknown")
 NOT_YET = "not supported yet"
 
 
@@ -35,6 +44,8 @@ class Rule:
     use: str = ""  # REFUSED: what to set instead (keys of our schema where there is one)
     # With a value rule: IGNORED for these values (compared as lower-case strings), REFUSED otherwise.
     ignore_values: tuple[str, ...] = ()
+    # A key of our schema: accepted for these values (lower-case strings), REFUSED for any other.
+    keep_values: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,10 @@ class Verdict:
 
 
 _MICRO = "verl's deprecated global micro-batch (verl divides it by the data-parallel size)"
-_OVERRIDE_KEYS = "recompute_granularity, recompute_method, recompute_num_layers, attention_backend"
+_VLLM_ARGS = ("actor_rollout_ref.rollout.enable_chunked_prefill, max_num_batched_tokens, max_num_seqs, "
+              "enforce_eager, free_cache_engine, disable_log_stats")
+# Our estimators (hybridflow.algorithms; tests/test_verl_compat.py keeps the two lists equal).
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
 _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
 
 RULES: tuple[Rule, ...] = (
@@ -66,17 +80,42 @@ RULES: tuple[Rule, ...] = (
          "actor_rollout_ref.actor.kl_loss_coef (with actor_rollout_ref.actor.use_kl_loss=true)"),
     Rule("algorithm.in_reward_kl.coef", REFUSED, "an old spelling of the in-reward KL coefficient",
          "algorithm.kl_ctrl.kl_coef (with algorithm.use_kl_in_reward=true)"),
-    # ---- Megatron features not there yet. Activation recompute (override_transformer_config.recompute_*,
-    # model.enable_gradient_checkpointing) and virtual_pipeline_model_parallel_size are schema keys now.
-    Rule("*.megatron.override_transformer_config.*", REFUSED,
-         "only the activation-recompute fields and attention_backend of Megatron's TransformerConfig can be "
-         f"overridden here ({_OVERRIDE_KEYS}); other overrides (fusions, ...) are " + NOT_YET,
-         "drop it; the recompute fields go under the same prefix "
-         "(actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity and the like)"),
+    Rule("actor_rollout_ref.nccl_timeout", REFUSED, "the workers' process-group timeout has our own key",
+         "trainer.fault.pg_timeout_s (seconds; a stuck collective fails after it)"),
+    Rule("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes", REFUSED,
+         "the weight-sync bucket has our own key, in bytes",
+         "actor_rollout_ref.rollout.reshard_bucket_bytes (= megabytes * 1048576)"),
+    # ---- Megatron: any field of TransformerConfig / OptimizerConfig passes through (megatron_checks.py)
     Rule("*.megatron.override_ddp_config.*", REFUSED, "Megatron DDP config overrides are " + NOT_YET,
          "drop them (gradients are reduced in fp32; the DDP settings are in megatron_workers/optimizer.py)"),
-    Rule("*.optim.override_optimizer_config.*", REFUSED, "Megatron optimizer config overrides are " + NOT_YET,
-         "drop them; for optimizer memory use *.megatron.optimizer_offload=true"),
+    Rule("*.megatron.use_mbridge", IGNORED, "verl's HF <-> Megatron weight bridge (mbridge); here "
+         "megatron_workers/hf_mapping.py maps the weights of the families it supports, with or without it"),
+    Rule("*.megatron.vanilla_mbridge", IGNORED, "a choice between two versions of verl's mbridge; here "
+         "megatron_workers/hf_mapping.py maps the weights"),
+    Rule("*.model.use_fused_kernels", IGNORED,
+         "verl's fused output-layer + log-prob kernel (it saves the logits' memory on GPU); here log-probs and "
+         "entropy are computed vocab-parallel (megatron_workers/logprob.py), with the same values either way"),
+    Rule("*.use_torch_compile", IGNORED, "verl compiles its FSDP actor's entropy function; the Megatron path "
+         "has none to compile"),
+    Rule("*.trust_remote_code", IGNORED, "the model families mapped here are transformers' own classes, which "
+         "need no remote code (a model_type that would is refused by name before Ray)"),
+    Rule("actor_rollout_ref.model.lora.*", REFUSED, "LoRA adapters are " + NOT_YET,
+         "drop the lora keys: every weight is trained (full fine-tuning; more optimizer memory)"),
+    Rule("actor_rollout_ref.model.mtp.*", REFUSED, "multi-token prediction (MTP) is " + NOT_YET, "drop it",
+         ignore_values=("false",)),
+    Rule("*.model.override_config.*", REFUSED, "overriding fields of the HF model's config is " + NOT_YET,
+         "copy the model directory and edit its config.json"),
+    Rule("actor_rollout_ref.actor.policy_loss.loss_mode", REFUSED,
+         "verl's other policy losses (gpg, clip_cov, kl_cov, gspo, ...) are " + NOT_YET,
+         "drop it: the PPO clip loss (verl's vanilla), with actor_rollout_ref.actor.clip_ratio_low / clip_ratio_high",
+         ignore_values=("vanilla",)),
+    # ---- profiling: torch.profiler timelines of every rank instead of verl's profiler section
+    Rule("*.profiler.*", REFUSED, "verl's nsys / torch profiler settings are not read here",
+         "trainer.timeline_dir and trainer.timeline_steps (PyTorch profiler traces of the driver and every rank)",
+         ignore_values=("false", "[]", "none")),
+    Rule("global_profiler.*", REFUSED, "verl's nsys / torch profiler settings are not read here",
+         "trainer.timeline_dir and trainer.timeline_steps (PyTorch profiler traces of the driver and every rank)",
+         ignore_values=("none",)),
     # ---- backends and modes we do not have
     *(Rule(f"{role}.strategy", REFUSED, "this stack trains with Megatron only",
            f"drop it and use {role}.megatron.*", ignore_values=("megatron",)) for role in _ROLES),
@@ -114,6 +153,38 @@ RULES: tuple[Rule, ...] = (
          "drop it", ignore_values=("ppo_clip",)),
     Rule("data.return_raw_chat", IGNORED,
          "the dataset always keeps each row's raw chat (raw_prompt) next to its token ids"),
+    # ---- the rollout engine: the vLLM arguments we pass are schema keys (_VLLM_ARGS)
+    Rule("actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache", IGNORED,
+         "vLLM's cache of multi-modal inputs; the models here are text-only"),
+    Rule("actor_rollout_ref.rollout.engine_kwargs.vllm.*", REFUSED, "passing any vLLM engine argument is " + NOT_YET,
+         f"the ones passed are keys of their own ({_VLLM_ARGS})"),
+    Rule("actor_rollout_ref.rollout.engine_kwargs.*", IGNORED,
+         "another engine's arguments (SGLang, TensorRT-LLM); the rollout here is vLLM or HF generate"),
+    Rule("actor_rollout_ref.rollout.skip_tokenizer_init", IGNORED,
+         "the engine here is given token ids and returns token ids anyway"),
+    Rule("actor_rollout_ref.rollout.prometheus.*", REFUSED,
+         "the rollout server's own Prometheus endpoint (verl's async server) is not here",
+         "trainer.logger=[console,prometheus] and trainer.prometheus.port: the trainer's metrics as gauges",
+         ignore_values=("false",)),
+    # ---- verl's values of our keys that we do not have (keep_values: the ones we do)
+    Rule("algorithm.adv_estimator", REFUSED, "that advantage estimator is " + NOT_YET,
+         f"algorithm.adv_estimator=one of {', '.join(ADV_ESTIMATORS)}", keep_values=ADV_ESTIMATORS),
+    Rule("actor_rollout_ref.rollout.name", REFUSED, "the rollout engines here are vLLM and HF generate "
+         "(the reference); SGLang and TensorRT-LLM are " + NOT_YET, "actor_rollout_ref.rollout.name=vllm",
+         keep_values=("vllm", "hf")),
+    Rule("*.megatron.context_parallel_size", REFUSED, "context parallelism needs Transformer Engine's attention "
+         "on GPU (its ring attention over the sequence shards), which this stack does not wire up",
+         "drop it (1) and cut activation memory with *.megatron.sequence_parallel=true or "
+         "*.megatron.override_transformer_config.recompute_granularity=full", keep_values=("1",)),
+    Rule("actor_rollout_ref.actor.router_replay.mode", REFUSED,
+         "R2 (replaying the old-log-prob forward's own routing) is " + NOT_YET,
+         "actor_rollout_ref.actor.router_replay.mode=R3 with actor_rollout_ref.rollout.enable_rollout_routing_replay"
+         "=true (the rollout's routing, replayed)", keep_values=("disabled", "r3")),
+    Rule("*.optim.lr_decay_style", REFUSED, "that schedule (inverse_square_root, WSD) is " + NOT_YET,
+         "*.optim.lr_decay_style=constant, linear or cosine", keep_values=("constant", "linear", "cosine", "none")),
+    Rule("reward_model.reward_manager", REFUSED, "that reward manager is " + NOT_YET,
+         "reward_model.reward_manager=naive, or dapo (naive plus the overlong penalty), or your own scorer in "
+         "custom_reward_function.path", keep_values=("naive", "dapo")),
 )
 
 
@@ -142,9 +213,14 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "null (must be set)",
                "a number by default"),
     Difference("actor_rollout_ref.actor.megatron.sequence_parallel", "True",
-               "off by default here; verl turns it off at TP=1, so set it for TP > 1 to match"),
+               "null here: on by rule for a Mixture-of-Experts model under TP > 1 (Megatron trains MoE layers under "
+               "TP only with it), off for a dense model; verl turns it off at TP=1 and keeps it on at TP > 1, so "
+               "set true to match for a dense model (resolved before Ray, for every role)"),
     Difference("actor_rollout_ref.actor.megatron.context_parallel_size", "1",
-               "values > 1 are refused before Ray: context parallelism needs Transformer Engine's attention on GPU"),
+               "values > 1 are refused at load: context parallelism needs Transformer Engine's attention on GPU"),
+    Difference("actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend", "flash",
+               "auto: torch SDPA on the local spec, Transformer Engine's choice on its spec; flash and fused ask TE "
+               "(a GPU with TE), auto elsewhere; unfused: megatron's DotProductAttention (local spec)"),
     Difference("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size", "null",
                "as verl (megatron's interleaved schedule); needs pp >= 2 and the layers per stage divisible by "
                "it (checked before Ray); a micro-batch count that is not a multiple of pp gets zero-loss padding"),
@@ -157,8 +233,17 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference("actor_rollout_ref.actor.megatron.param_offload", "False",
                "as verl on GPU (also grad_offload, optimizer_offload, ref.megatron.param_offload); on CPU the "
                "model already lives in host memory, so it is a logged no-op"),
-    Difference("actor_rollout_ref.rollout.name", "vllm", "vllm or hf (HF generate, the reference); others are "
-               "refused before Ray"),
+    Difference("actor_rollout_ref.rollout.name", "??? (must be set)", "vllm or hf (HF generate, the reference); "
+               "sglang and trtllm are refused at load"),
+    Difference("actor_rollout_ref.rollout.mode", "async", "sync here (one generate call over the batch, the "
+               "HybridFlow paper's); async is server mode (docs/agent_loop.md), as verl"),
+    Difference("actor_rollout_ref.rollout.max_num_batched_tokens", "8192",
+               "null here: vLLM's own default; set, it goes to vLLM as verl passes it (so do enable_chunked_prefill, "
+               "max_num_seqs and disable_log_stats)"),
+    Difference("actor_rollout_ref.rollout.enforce_eager", "False", "as verl on GPU; on CPU vLLM always runs eager "
+               "(no CUDA graphs there)"),
+    Difference("actor_rollout_ref.rollout.free_cache_engine", "True", "as verl on GPU (vLLM sleeps between "
+               "generations, freeing its KV cache and weights for training); vLLM has no sleep mode on CPU"),
     Difference("actor_rollout_ref.rollout.calculate_log_probs", "False",
                "on here: the rollout's log-probs give rollout/logprob_diff_* (the check that vLLM samples from the "
                "weights being trained); off, vLLM skips them, and a KL penalty in the reward then gets an "
@@ -187,7 +272,7 @@ def _value_text(value) -> str:
 def classify(key: str, value) -> Verdict | None:
     """What to do with verl key `key` (not in our schema) set to `value`; None: no rule (an unknown key)."""
     for rule in RULES:
-        if not fnmatch.fnmatchcase(key, rule.pattern):
+        if rule.keep_values or not fnmatch.fnmatchcase(key, rule.pattern):
             continue
         if rule.ignore_values and _value_text(value) in rule.ignore_values:
             return Verdict(key, IGNORED, f"{key}={value}: nothing to change, this stack does that anyway")
@@ -195,6 +280,18 @@ def classify(key: str, value) -> Verdict | None:
             return Verdict(key, IGNORED, f"{key}: {rule.reason}")
         return Verdict(key, REFUSED, f"verl key '{key}={value}' is refused here: {rule.reason}; instead: {rule.use}")
     return None
+
+
+def check_value(key: str, value) -> Verdict | None:
+    """A key of our schema set to a verl value we do not have: REFUSED, with what to write instead; None: fine."""
+    for rule in _VALUE_RULES:
+        if fnmatch.fnmatchcase(key, rule.pattern) and _value_text(value) not in rule.keep_values:
+            return Verdict(key, REFUSED, f"verl key '{key}={value}' is refused here: {rule.reason}; "
+                                         f"instead: {rule.use}")
+    return None
+
+
+_VALUE_RULES = tuple(r for r in RULES if r.keep_values)
 
 
 def _md(text: str) -> str:
@@ -205,7 +302,8 @@ def markdown_table() -> str:
     """RULES as the markdown table in docs/verl.md ("Coming from verl")."""
     rows = ["| verl key | here | why | instead |", "|---|---|---|---|"]
     for r in RULES:
-        here = r.kind if not r.ignore_values else f"ignored if `{'`/`'.join(r.ignore_values)}`, else refused"
+        here = (f"ignored if `{'`/`'.join(r.ignore_values)}`, else refused" if r.ignore_values else
+                f"ours for `{'`/`'.join(r.keep_values)}`, else refused" if r.keep_values else r.kind)
         rows.append(f"| `{r.pattern}` | {here} | {_md(r.reason)} | {_md(r.use)} |")
     return "\n".join(rows)
 
@@ -225,10 +323,91 @@ def differences_table() -> str:
     return "\n".join(rows)
 
 
-def replace_tables(text: str) -> str:
-    """`text` with each generated table, found by its header row, replaced by the current one (whole rows only)."""
+def read_fixture(path: Path) -> tuple[dict[str, str], list[str]]:
+    """(header fields: source, commit, model, ...; the override lines) of one fixture file."""
+    text = Path(path).read_text()
+    header = dict(m.groups() for m in re.finditer(r"^# ([\w-]+): (.+)$", text, re.M))
+    return header, [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+_KEY_IN = {  # the key each kind of load_config problem names
+    "refused": re.compile(r"verl key '([^'=]+)="),
+    "unknown": re.compile(r"unknown config key '([^']+)'|unknown Megatron \w+ field '[^']+' in '([^']+)'"),
+    "accepted": re.compile(r"invalid value for config key '([^']+)'"),  # ours, with a value it cannot hold
+}
+
+
+def _key(line: str) -> str:
+    return line.split("=", 1)[0].lstrip("+")
+
+
+def classify_lines(lines: list[str]) -> dict[str, str]:
+    """{line: accepted | ignored | refused | unknown}: what load_config does with each `key=value` override of one
+    command line, from a few loads of the whole line (each problem names its key; each ignored key warns once).
+    A key of ours whose value the loader cannot hold (e.g. an unset shell variable) counts as accepted."""
+    from hybridflow.config.load import ConfigError, load_config
+
+    out: dict[str, str] = {}
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("hybridflow.config.load")
+    logger.addHandler(handler)
+    try:
+        pending = list(lines)
+        while True:
+            seen.clear()
+            try:
+                load_config(None, pending)
+                break
+            except ConfigError as e:
+                named = {kind: {k for m in rx.finditer(str(e)) for k in m.groups() if k}
+                         for kind, rx in _KEY_IN.items()}
+                hit = {line: kind for line in pending for kind, keys in named.items() if _key(line) in keys}
+                if not hit:
+                    raise
+                out.update(hit)
+                pending = [line for line in pending if line not in hit]
+    finally:
+        logger.removeHandler(handler)
+    warned = {m.removeprefix("ignoring verl key ").split(":", 1)[0].split("=", 1)[0] for m in seen
+              if m.startswith("ignoring verl key ")}
+    out.update({line: "ignored" if _key(line) in warned else "accepted" for line in pending})
+    return out
+
+
+def fixture_counts() -> dict[str, dict[str, int]]:
+    """{fixture file name: {class: lines}} over every fixture (classify_lines of each)."""
+    out = {}
+    for path in sorted(FIXTURES.glob("*.txt")):
+        lines = read_fixture(path)[1]
+        classes = classify_lines(lines)
+        out[path.name] = {c: sum(classes[line] == c for line in lines) for c in CLASSES}
+    return out
+
+
+def counts_table(counts: dict[str, dict[str, int]]) -> str:
+    """The per-script counts (fixture_counts, or the test's) as the markdown table in docs/verl.md."""
+    rows = ["| verl script (examples/...) | commit | model | overrides | accepted | ignored | refused | unknown |",
+            "|---|---|---|---|---|---|---|---|"]
+    total = dict.fromkeys(CLASSES, 0)
+    for name, c in counts.items():
+        header, lines = read_fixture(FIXTURES / name)
+        rows.append(f"| `{header['source'].split('examples/', 1)[1]}` | {header['commit'][:8]} | "
+                    f"{_md(header.get('model', ''))} | {len(lines)} | "
+                    + " | ".join(str(c[k]) for k in CLASSES) + " |")
+        total = {k: total[k] + c[k] for k in CLASSES}
+    rows.append(f"| all {len(counts)} scripts | | | {sum(total.values())} | "
+                + " | ".join(str(total[k]) for k in CLASSES) + " |")
+    return "\n".join(rows)
+
+
+def replace_tables(text: str, counts: dict[str, dict[str, int]] | None = None) -> str:
+    """`text` with each generated table, found by its header row, replaced by the current one (whole rows only).
+    counts: the fixtures' per-script counts (None: fixture_counts())."""
     lines = text.split("\n")
-    for table in (differences_table(), markdown_table()):
+    counts = fixture_counts() if counts is None else counts
+    for table in (differences_table(), markdown_table(), counts_table(counts)):
         rows = table.split("\n")
         if rows[0] not in lines:
             raise ValueError(f"no table with the header {rows[0]!r} to replace")
@@ -244,8 +423,8 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(
         prog="python -m hybridflow.config.verl_compat",
-        description="Print the two verl tables (differing defaults, then verl keys that are not ours) as markdown, "
-                    "or rewrite them in the docs page.",
+        description="Print the verl tables (differing defaults, verl keys that are not ours, and the keys of verl's "
+                    "example scripts by class) as markdown, or rewrite them in the docs page.",
         epilog=f"tests/test_verl_compat.py keeps {PAGE} equal to them.")
     ap.add_argument("--write", nargs="?", const=str(PAGE), metavar="PAGE",
                     help=f"replace the tables in PAGE (default {PAGE}) instead of printing them")
@@ -255,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         page.write_text(replace_tables(page.read_text()))
         print(f"wrote {page}")
     else:
-        print(differences_table(), markdown_table(), sep="\n\n")
+        print(differences_table(), markdown_table(), counts_table(fixture_counts()), sep="\n\n")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,12 @@ def moe_num_experts(cfg) -> int:
     return int(get("num_experts") or get("num_local_experts") or 0)
 
 
+def default_sequence_parallel(tp: int, model: ModelShape) -> bool:
+    """megatron.sequence_parallel=null: on for an MoE model under TP (Megatron trains MoE layers under TP only
+    with it), off otherwise. verl's own default is on wherever TP > 1; a dense model keeps it off here unless asked."""
+    return tp > 1 and model.is_moe
+
+
 def _check_divides(what: str, n: int, by_name: str, by: int) -> None:
     if by <= 0 or n % by != 0:
         raise LayoutError(f"{by_name}={by} does not divide {what}={n}")
@@ -101,7 +107,7 @@ class ParallelDims:
         tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
         if min(tp, pp, cp) < 1 or world_size % (tp * pp * cp):
             raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
-        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp), sp=m.sequence_parallel,
+        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp), sp=bool(m.sequence_parallel),
                    vpp=getattr(m, "virtual_pipeline_model_parallel_size", None) or 1,
                    ep=getattr(m, "expert_model_parallel_size", 1) or 1,
                    etp=getattr(m, "expert_tensor_parallel_size", None))

@@ -39,6 +39,19 @@ _memory_notes_logged: set[str] = set()  # once per process, not once per engine
 WeightLoader = Callable[[torch.nn.Module, Iterable[tuple[str, torch.Tensor]]], None]
 
 
+def engine_args(config: RolloutConfig, on_gpu: bool) -> dict:
+    """The `vllm.LLM` arguments that verl's rollout keys set (actor_rollout_ref.rollout.*): the ones left null keep
+    vLLM's own default. On CPU the engine always runs eager (CUDA graphs need CUDA) and has no sleep mode, so
+    enforce_eager=false and free_cache_engine change nothing there."""
+    kwargs = {"enforce_eager": bool(config.enforce_eager) or not on_gpu,
+              "enable_sleep_mode": on_gpu and bool(config.free_cache_engine),
+              "disable_log_stats": bool(config.disable_log_stats)}
+    for key in ("enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs"):
+        if getattr(config, key) is not None:
+            kwargs[key] = getattr(config, key)
+    return kwargs
+
+
 class VLLMRollout(Rollout):
     """In-process vLLM engine on this rank.
 
@@ -118,11 +131,10 @@ class VLLMRollout(Rollout):
             tensor_parallel_size=t_g,
             distributed_executor_backend="uni" if self.independent_replicas else "external_launcher",
             **memory,
-            enforce_eager=not on_gpu,
+            **engine_args(config, on_gpu),
             seed=config.seed,
             enable_prefix_caching=enable_prefix_caching,
             logprobs_mode=logprobs_mode,
-            enable_sleep_mode=on_gpu,
         )
         if replicas > 1 and not self.independent_replicas:
             kwargs["data_parallel_size"] = replicas
@@ -351,8 +363,11 @@ class VLLMRollout(Rollout):
         self.llm.reset_prefix_cache()
 
     def release(self) -> None:
-        """GPU: vLLM sleep (level 1 offloads weights, 2 drops them) frees KV cache and weights."""
+        """GPU with rollout.free_cache_engine (verl's default): vLLM sleep (level 1 offloads weights, 2 drops them)
+        frees KV cache and weights; without it they stay on the GPU through training."""
         self.reset_prefix_cache()
+        if self.device_type == "cuda" and not self.config.free_cache_engine:
+            return
         if self.device_type == "cuda":
             self.llm.sleep(level=self._sleep_level)
             self._released = True

@@ -163,7 +163,10 @@ class RayPPOTrainer:
         nt = batch.non_tensor_batch
         scores, metrics = self.reward_fn.score(texts, list(nt["ground_truth"]), list(nt["data_source"]),
                                                list(nt.get("extra_info", [None] * len(texts))))
-        return scores_to_token_level(scores, batch.batch["response_mask"]), metrics
+        from hybridflow.rewards.overlong import shape_batch_scores
+
+        scores, extra = shape_batch_scores(self.cfg, batch, scores)  # reward_model.reward_manager (dapo: overlong)
+        return scores_to_token_level(scores, batch.batch["response_mask"]), {**metrics, **extra}
 
     def compute_reward(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
         """token_level_scores: the rule/user scores, the reward model's (`rm_scores`), or both
@@ -414,7 +417,7 @@ class RayPPOTrainer:
         if self.val_dataset is None:
             raise RuntimeError("validate() needs a val dataset: set data.val_files")
         t = time.perf_counter()
-        sources, prompts, scores, calls = [], [], [], []
+        sources, prompts, scores, calls, texts = [], [], [], [], []
         for k, rows in enumerate(V.chunks(len(self.val_dataset), self.cfg.data.val_batch_size)):
             batch = self.generate_validation([self.val_dataset[i] for i in rows])
             batch.batch["token_level_scores"], _ = self.score(batch)
@@ -422,9 +425,13 @@ class RayPPOTrainer:
             sources += [str(s) for s in batch.non_tensor_batch["data_source"]]
             prompts += [int(i) for i in batch.non_tensor_batch["index"]]
             scores += batch.batch["token_level_scores"].sum(-1).tolist()
+            if self.cfg.trainer.log_val_generations > 0:  # verl's: a few samples to the console and trackers
+                texts += zip(V.prompt_texts(batch, self.tokenizer), self.response_texts(batch))
             if self.cfg.trainer.validation_data_dir:
                 self.dump_samples(batch, self.cfg.trainer.validation_data_dir, append=k > 0)
         metrics = V.validation_metrics(sources, prompts, scores)
+        self.val_generations = V.pick_generations([i for i, _ in texts], [o for _, o in texts], scores,
+                                                  self.cfg.trainer.log_val_generations)
         if calls:  # agent loops: how often the policy used a tool, and how many calls it made
             metrics["val-aux/tool/call_rate"] = sum(c > 0 for c in calls) / len(calls)
             metrics["val-aux/tool/calls_per_trajectory"] = sum(calls) / len(calls)
@@ -552,6 +559,7 @@ class RayPPOTrainer:
                                                          self.last_val_step):
                 m = self.run_validation()
                 tracker.log(m, self.global_step, advance=False)  # not a training step: the bar stays
+                tracker.log_generations(self.val_generations, self.global_step)
                 history.append({"step": self.global_step, **m})
             if self.cfg.async_training.mode == "fully_async" and self.global_step < total:
                 self.start_producer()
@@ -561,6 +569,7 @@ class RayPPOTrainer:
                     m = self.step()
                 if validating and V.should_validate(self.global_step, total, self.cfg.trainer.test_freq):
                     m.update(self.run_validation())  # logged with the step it validates, as verl does
+                    tracker.log_generations(self.val_generations, self.global_step)
                 tracker.log(m, self.global_step)
                 if self.on_step is not None:
                     self.on_step(self.global_step, m)

@@ -51,6 +51,10 @@ def _role_dims(key: str, m, world: int, hf_config: dict, pool: str | None = None
     if m.transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"{key}.transformer_impl={m.transformer_impl!r}; choose one of {', '.join(TRANSFORMER_IMPLS)}")
     model = ModelShape.from_hf_config(hf_config)
+    if m.sequence_parallel is None:  # null: resolved here, so the workers get the value checked below
+        from hybridflow.parallel.dims import default_sequence_parallel
+
+        m.sequence_parallel = default_sequence_parallel(tp, model)
     o = m.override_transformer_config
     check_moe_options(o, f"{key}.override_transformer_config")
     if model.is_moe:
@@ -58,10 +62,10 @@ def _role_dims(key: str, m, world: int, hf_config: dict, pool: str | None = None
     if o.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"{key}.override_transformer_config.attention_backend={o.attention_backend!r}; "
                          f"choose one of {', '.join(ATTENTION_BACKENDS)}")
-    if o.attention_backend != "auto" and m.transformer_impl == "transformer_engine":
+    if o.attention_backend == "unfused" and m.transformer_impl == "transformer_engine":
         raise ValueError(f"{key}.override_transformer_config.attention_backend={o.attention_backend} picks the local "
                          f"spec's attention; with {key}.transformer_impl=transformer_engine only auto is accepted")
-    if o.recompute_granularity == "selective" and o.attention_backend == "auto":
+    if o.recompute_granularity == "selective" and o.attention_backend != "unfused":
         # tests/test_planner.py measures it: the fused attention keeps no s x s tensor, so the checkpoint
         # saves nothing (it kept 1.7% more bytes) and only adds the attention's recompute to the backward.
         log.warning("%s.override_transformer_config.recompute_granularity=selective recomputes the core attention, "
@@ -227,7 +231,11 @@ def validate(cfg: HybridFlowConfig) -> None:
     _validate_precision(cfg)  # after critic.enable is known
     checks.token_budgets(cfg)  # after critic.enable is known
     checks.resume(cfg)  # after critic.enable is known: a critic run needs the checkpoint's critic
+    checks.dist_checkpoints(cfg)
     checks.reward_fn(cfg.custom_reward_function)
+    from hybridflow.rewards.overlong import check as check_reward_manager
+
+    check_reward_manager(cfg.reward_model, cfg.data.max_response_length)
     _validate_verl_shared_keys(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and a.rollout.n < 2:
         raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of a prompt: "
@@ -364,6 +372,9 @@ def _validate_verl_shared_keys(cfg: HybridFlowConfig) -> None:
     if offloads and not on_gpu:
         log.info("%s: no CUDA, the models already live in host memory, so offload moves nothing (a no-op on CPU)",
                  ", ".join(offloads))
+    from hybridflow.config.megatron_checks import log_cuda_only
+
+    log_cuda_only(cfg, on_gpu)  # Megatron fields that need CUDA: one line naming them, where there is none
     if cfg.data.truncation not in TRUNCATIONS:
         raise ValueError(f"data.truncation={cfg.data.truncation!r}; choose one of {', '.join(TRUNCATIONS)}")
     warmup = cfg.trainer.critic_warmup

@@ -100,6 +100,36 @@ class Tracking:
             if advance:
                 self._bar.update(1)
 
+    def log_generations(self, samples: list[tuple[str, str, float]], step: int) -> None:
+        """Validation samples (input, output, score; trainer.log_val_generations picks them) to the backends that
+        keep text: console (printed), jsonl (val_generations.jsonl, one object per sample), tensorboard (a text
+        table), wandb (a table), mlflow (an artifact per step). Prometheus keeps numbers only."""
+        if not samples:
+            return
+        rows = [{"step": step, "input": i, "output": o, "score": s} for i, o, s in samples]
+        if self._bar is not None:
+            text = "\n".join(f"[validation sample {k + 1}/{len(rows)} at step {step}]\n[prompt] {r['input']}\n"
+                             f"[response] {r['output']}\n[score] {r['score']}" for k, r in enumerate(rows))
+            print(text, file=sys.stderr, flush=True)
+        if self._jsonl:
+            with open(self.run_dir / "val_generations.jsonl", "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        if self._tb:
+            table = "| input | output | score |\n|---|---|---|\n" + "\n".join(
+                f"| {_cell(r['input'])} | {_cell(r['output'])} | {r['score']:.4g} |" for r in rows)
+            self._tb.add_text("val/generations", table, step)
+            self._tb.flush()
+        if self._wandb:
+            import wandb
+
+            table = wandb.Table(columns=["step", "input", "output", "score"],
+                                data=[[r["step"], r["input"], r["output"], r["score"]] for r in rows])
+            self._wandb.log({"val/generations": table}, step=step)
+        if self._mlflow:
+            import mlflow
+
+            mlflow.log_dict({"samples": rows}, f"val_generations/step_{step}.json")
+
     def finish(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -115,6 +145,11 @@ class Tracking:
             mlflow.end_run()
         if self._prom:
             self._prom.close()
+
+
+def _cell(text: str) -> str:
+    """Text in one markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", "<br>")
 
 
 def _is_tty(stream) -> bool:

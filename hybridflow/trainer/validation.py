@@ -84,6 +84,25 @@ def validation_metrics(data_sources: Sequence[str], prompt_ids: Sequence, scores
     return out
 
 
+def pick_generations(inputs: Sequence[str], outputs: Sequence[str], scores: Sequence[float],
+                     count: int) -> list[tuple[str, str, float]]:
+    """trainer.log_val_generations: which `count` samples (input, output, score) to show, as verl picks them: sorted
+    by input, shuffled with a fixed seed (42), the first `count`. So a run shows the same prompts at every
+    validation (their answers change), whatever order the samples came in."""
+    if count <= 0:
+        return []
+    samples = sorted(zip(inputs, outputs, (float(s) for s in scores)), key=lambda s: s[0])
+    np.random.RandomState(42).shuffle(samples)
+    return samples[:count]
+
+
+def prompt_texts(batch, tokenizer) -> list[str]:
+    """Each sample's prompt as text (special tokens dropped, as verl logs val inputs)."""
+    width = batch.batch["responses"].shape[1]
+    ids, mask = batch.batch["input_ids"][:, :-width], batch.batch["attention_mask"][:, :-width].bool()
+    return [tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask, strict=True)]
+
+
 def summary_line(step: int, metrics: dict[str, float], num_prompts: int, n: int) -> str:
     """One line per validation for the console: each mean@n, how much was validated and how long it took."""
     means = [f"{k.split('/', 1)[1]}={v:.4f}" for k, v in sorted(metrics.items())

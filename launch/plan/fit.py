@@ -62,10 +62,10 @@ def model_state(job: Job, role: Role, stage: int) -> dict[str, float]:
     n = M.stage_params(shape, d.tp, d.pp, stage, role.scalar_head, d.ep, d.expert_tp)
     experts = M.stage_expert_params(shape, d.pp, d.ep, d.expert_tp)
     dense = M.state_bytes(n - experts, job.dtype, role.trainable, role.dist_opt, d.dp * d.cp)
-    if not experts:
-        return dense
-    moe = M.state_bytes(experts, job.dtype, role.trainable, role.dist_opt, d.expert_dp)
-    return {k: dense[k] + moe[k] for k in dense}
+    moe = M.state_bytes(experts, job.dtype, role.trainable, role.dist_opt, d.expert_dp) if experts else {}
+    out = {k: dense[k] + moe.get(k, 0.0) for k in dense}
+    out["optimizer"] *= role.optimizer_on_gpu  # Megatron's optimizer CPU offload keeps the rest in host memory
+    return out
 
 
 def role_memory(job: Job, role: Role) -> tuple[dict[str, float], str]:

@@ -8,7 +8,7 @@ not call hybridflow.trainer.main.validate, which needs the model weights and dat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hybridflow.config.schema import HybridFlowConfig, MegatronConfig
 from hybridflow.parallel.dims import GenerationDims, LayoutError, ParallelDims
@@ -74,6 +74,9 @@ class Role:
     mini_batch: int  # prompts per optimizer step
     epochs: int
     pool: str
+    # Megatron's optimizer CPU offload (optim.override_optimizer_config.optimizer_cpu_offload with
+    # optimizer_offload_fraction f): this share of the optimizer state stays on the GPU, the rest lives in host memory
+    optimizer_on_gpu: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,10 @@ def _dims(key: str, m: MegatronConfig, world: int, shape: Shape) -> ParallelDims
     if world % (tp * pp * cp):
         raise PlanInputError(f"{key}: tp*pp*cp = {tp * pp * cp} does not divide trainer.nnodes*n_gpus_per_node "
                              f"= {world}")
+    if m.sequence_parallel is None:  # null: the trainer's rule (preflight resolves it the same way)
+        from hybridflow.parallel.dims import default_sequence_parallel
+
+        m = replace(m, sequence_parallel=default_sequence_parallel(tp, shape.model_shape))
     try:
         return ParallelDims.from_megatron_config(m, world).validate(world, shape.model_shape)
     except LayoutError as e:
@@ -192,13 +199,24 @@ def kv_cache_bytes(rollout, shape: Shape, dtype: str, device: Device) -> int:
     return int(kv)
 
 
+def optimizer_on_gpu(optim) -> float:
+    """The share of a role's optimizer state its GPU holds: 1 - optimizer_offload_fraction with Megatron's optimizer
+    CPU offload on (optim.override_optimizer_config), 1 otherwise."""
+    other = optim.override_optimizer_config.other
+    if not other.get("optimizer_cpu_offload"):
+        return 1.0
+    fraction = float(other.get("optimizer_offload_fraction", 0.0))
+    if not 0.0 <= fraction <= 1.0:
+        raise PlanInputError(f"optim.override_optimizer_config.optimizer_offload_fraction={fraction} must be in [0, 1]")
+    return 1.0 - fraction
+
+
 def options_from_config(cfg: HybridFlowConfig, options: Options) -> Options:
     """The actor's recompute and VPP from the config where the flags are at their defaults (flags win), and on
     the local spec the attention the config picks (`--kernels local` with attention_backend=unfused plans the
-    unfused attention's s^2 tensors).
+    unfused attention's s^2 tensors); vLLM's max_num_seqs from actor_rollout_ref.rollout.max_num_seqs.
 
     The planner models full recompute as megatron's uniform method with 1 layer per checkpoint."""
-    from dataclasses import replace
 
     a = cfg.actor_rollout_ref
     m = a.actor.megatron
@@ -212,6 +230,8 @@ def options_from_config(cfg: HybridFlowConfig, options: Options) -> Options:
     if options.kernels == "local":
         options = replace(options, kernels=LOCAL_PROFILES.get(m.override_transformer_config.attention_backend,
                                                               "local"))
+    if options.max_num_seqs == Options.max_num_seqs and a.rollout.max_num_seqs:
+        options = replace(options, max_num_seqs=a.rollout.max_num_seqs)
     return options
 
 
@@ -280,7 +300,7 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
                           a.actor.megatron.use_distributed_optimizer, off, off_keys,
                           a.actor.ppo_micro_batch_size_per_gpu,
                           a.rollout.log_prob_micro_batch_size_per_gpu, a.actor.ppo_mini_batch_size, a.actor.ppo_epochs,
-                          pool("actor_rollout"))
+                          pool("actor_rollout"), optimizer_on_gpu(a.actor.optim))
     if needs_ref(cfg):
         ref_m = a.ref.megatron if own_ref else a.actor.megatron  # on the actor's pool, the ref shares its mesh
         rkey = "actor_rollout_ref.ref.megatron"
@@ -297,7 +317,7 @@ def read_job(cfg: HybridFlowConfig, options: Options) -> Job:
                                True, c.megatron.use_distributed_optimizer, off, off_keys,
                                c.ppo_micro_batch_size_per_gpu,
                                c.ppo_micro_batch_size_per_gpu, c.ppo_mini_batch_size, c.ppo_epochs,
-                               pool("critic"))
+                               pool("critic"), optimizer_on_gpu(c.optim))
     if cfg.reward_model.enable:
         rm = cfg.reward_model
         shape = resolve_shape("reward_model.model.path", rm.model.path)
