@@ -31,6 +31,7 @@ from hybridflow.config.load import to_dict
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.fault_inject import maybe_kill as fault_point
 from hybridflow.protocol import DataProto
+from hybridflow.rewards.overlong import shape_batch_scores
 from hybridflow.trainer import metrics as M
 from hybridflow.trainer import remax as R
 from hybridflow.trainer import validation as V
@@ -163,8 +164,6 @@ class RayPPOTrainer:
         nt = batch.non_tensor_batch
         scores, metrics = self.reward_fn.score(texts, list(nt["ground_truth"]), list(nt["data_source"]),
                                                list(nt.get("extra_info", [None] * len(texts))))
-        from hybridflow.rewards.overlong import shape_batch_scores
-
         scores, extra = shape_batch_scores(self.cfg, batch, scores)  # reward_model.reward_manager (dapo: overlong)
         return scores_to_token_level(scores, batch.batch["response_mask"]), {**metrics, **extra}
 
