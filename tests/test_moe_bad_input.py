@@ -90,6 +90,9 @@ CASES = {
          "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
         r"rollout.tensor_model_parallel_size=2 on 4 processes is 2 vLLM data-parallel replicas: vLLM then splits "
         r"each expert over DP x TP ranks"),
+    "vllm_on_cuda": (  # the GPU's direct copy into vLLM has no expert path yet: refused before Ray, not at the sync
+        ["trainer.device=cuda", "actor_rollout_ref.rollout.name=vllm"],
+        r"rollout.name=vllm with an MoE actor on CUDA \(trainer.device\): .* does not handle experts yet"),
     "tp_without_sp": (  # null (the default) turns it on for MoE under TP; an explicit false is refused
         ["trainer.n_gpus_per_node=2", f"{ACTOR}.tensor_model_parallel_size=2", f"{ACTOR}.sequence_parallel=false"],
         rf"{ACTOR}: an MoE model at tensor_model_parallel_size=2 needs sequence_parallel=true"),

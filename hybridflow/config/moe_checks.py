@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from hybridflow.algorithms.choices import require_choice
 from hybridflow.parallel.dims import moe_num_experts
+from hybridflow.precision import local_device
 
 REPLAY_MODES = ("disabled", "R3")
 REPLAY = "actor_rollout_ref.actor.router_replay.mode"
@@ -48,6 +49,13 @@ def _validate_moe_rollout(cfg, actor_hf: dict, world: int) -> None:
     if not moe_num_experts(actor_hf) or a.rollout.name != "vllm":
         return
     t_g = a.rollout.tensor_model_parallel_size
+    device = cfg.trainer.device if cfg.trainer.device != "auto" else local_device()
+    if device == "cuda":
+        # The GPU's weight load is a direct copy into vLLM's fused parameters, which is not built for experts
+        # (resharding/vllm_layout.load_into_vllm refuses it at the first sync); say so before any worker starts.
+        raise ValueError("actor_rollout_ref.rollout.name=vllm with an MoE actor on CUDA (trainer.device): the "
+                         "3D-HybridEngine's GPU load (a direct copy into vLLM's fused parameters) does not handle "
+                         "experts yet (docs/moe.md); use actor_rollout_ref.rollout.name=hf on GPU meanwhile")
     if "rollout" in (cfg.trainer.role_pools or {}):
         raise ValueError("trainer.role_pools.rollout with an MoE actor: the cross-pool weight sync does not plan "
                          "experts yet (only the colocated 3D-HybridEngine does); colocate the rollout")
