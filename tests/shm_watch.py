@@ -1,9 +1,11 @@
-"""What a test may not leave in /dev/shm: vLLM's CPU shared-memory communicator segments.
+"""What a test may not leave in /dev/shm: vLLM's CPU shared-memory communicator segments and broadcast buffers.
 
 Ours are named "hybridflow-<job token>-..." and unlinked as soon as every rank has mapped them
 (hybridflow/rollout/vllm_launch.py, cpu_shm_communicator); an engine built around that (vLLM's default names,
 "-tp:0-[0-1]-cpushm_<rank>") leaves its names behind at exit, and the next engine of the same TP size then fails
-with EEXIST. tests/conftest.py takes the two fixtures at the end, which check every test against the names here.
+with EEXIST. A TP group's broadcast buffer (psm_*, 24 MiB) is unlinked once mapped too
+(broadcast_buffers_unlinked); before that, a worker killed with its resource tracker left it for good.
+tests/conftest.py takes the two fixtures at the end, which check every test against the names here.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import pytest
 SHM_DIR = Path("/dev/shm")
 OUR_PREFIX = "hybridflow-"
 VLLM_MARK = "cpushm"  # in every segment name vLLM's CPU communicator makes, with our prefix or its default one
+BROADCAST_PREFIX = "psm_"  # Python's SharedMemory names: vLLM's TP-group broadcast buffers (shm_broadcast)
 
 
 def segment_names(shm_dir: Path = SHM_DIR) -> set[str]:
-    """The communicator segments in shm_dir: ours, or vLLM's default-named ones."""
+    """vLLM's shared memory in shm_dir: the communicator segments (ours, or default-named ones) and the broadcast
+    buffers."""
     try:
-        return {n for n in os.listdir(shm_dir) if n.startswith(OUR_PREFIX) or VLLM_MARK in n}
+        return {n for n in os.listdir(shm_dir) if n.startswith((OUR_PREFIX, BROADCAST_PREFIX)) or VLLM_MARK in n}
     except FileNotFoundError:
         return set()
 

@@ -64,6 +64,7 @@ def test_two_ranks_tp2_and_two_replicas_equal_hf(tmp_path):
         # its segment names are gone while the engine runs; off means off on every machine.
         assert saved["tp2_shm_active"] == cpu_shm_supported()
         assert saved["tp2_shm_names"] == []
+        assert saved["tp2_broadcast_buffer_named"] is False  # mapped by both ranks, named by neither
         assert saved["tp2_gloo_shm_active"] is False
     # Each TP rank's own output (before gathering) is the same: the script gives the two ranks
     # different global RNG states before sampling, so this holds only because the rollout seeds

@@ -12,9 +12,10 @@ pytest_plugins = ["pytester"]
 
 
 def test_only_communicator_segments_are_watched(tmp_path):
-    for name in ("hybridflow-abc-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1", "psm_123", "sem.ray"):
+    for name in ("hybridflow-abc-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1", "psm_123", "sem.ray", "torch_1"):
         (tmp_path / name).write_bytes(b"")
-    assert shm_watch.segment_names(tmp_path) == {"hybridflow-abc-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1"}
+    assert shm_watch.segment_names(tmp_path) == {"hybridflow-abc-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1",
+                                                 "psm_123"}
     assert shm_watch.segment_names(tmp_path / "absent") == set()
 
 

