@@ -217,7 +217,7 @@ def test_reward_model_config_errors_name_the_key(model_dirs, tmp_path):
 def test_placement_checks(model_dirs):
     with pytest.raises(ValueError, match="trainer.placement='spread'"):
         _validate(model_dirs, "trainer.placement=spread")
-    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name='sglang'"):  # before any worker starts
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name=sglang' is refused"):  # at load, before Ray
         _validate(model_dirs, "actor_rollout_ref.rollout.name=sglang")
     mismatch = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                 "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",  # by default it follows the actor's
