@@ -29,11 +29,14 @@ class ServingRole:
     def serve_tick(self, requests: list[dict], max_steps: int = 16, meta: dict | None = None) -> list[dict]:
         """One tick of this replica's engine: add `requests`, step until one finishes (see VLLMRollout.serve_tick);
         each finished request comes back tagged with the weight version that sampled it. `meta`
-        ({"global_step": the step the weights serve}) only names the call's step (fault injection, logs)."""
-        lockstep = self.rollout.num_replicas > 1 and not getattr(self.rollout, "independent_replicas", True)
+        ({"global_step": the step the weights serve}) only names the call's step (fault injection, logs).
+
+        Every rank of every replica is called each tick, an empty list where its replica got nothing: vLLM's
+        data-parallel engines (every multi-replica layout on GPU, t_g > 1 on CPU) step as one collective, and
+        the engine itself tells serve_tick to keep them in lockstep (VLLMRollout.steps_in_lockstep)."""
         t = time.perf_counter()
         with torch.profiler.record_function("serve_tick"):
-            done = self.rollout.serve_tick(requests, max_steps=max_steps, lockstep=lockstep)
+            done = self.rollout.serve_tick(requests, max_steps=max_steps)
         self._serve_busy_s += time.perf_counter() - t
         for d in done:
             d["weight_version"] = self.weight_version

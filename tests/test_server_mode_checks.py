@@ -47,6 +47,13 @@ def test_a_good_agent_config_passes(files):
     assert cfg.actor_rollout_ref.rollout.mode == "async"
 
 
+def test_server_mode_takes_several_replicas_of_tg_above_one(files):
+    """vLLM data-parallel replicas (2 of t_g=2 here) step in lockstep in server mode (tests/test_server_mode_dp.py)."""
+    cfg = _validate(files, *AGENT, "trainer.n_gpus_per_node=4",
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+
+
 @pytest.mark.parametrize("overrides, match", [
     (("actor_rollout_ref.rollout.multi_turn.enable=true",),
      r"multi_turn.enable=true needs the server mode: set actor_rollout_ref.rollout.mode=async"),

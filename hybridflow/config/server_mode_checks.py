@@ -16,8 +16,9 @@ def turn_budget(rollout) -> int:
     return rollout.multi_turn.max_tokens_per_turn or rollout.response_length
 
 
-def validate_server_mode(rollout, world: int) -> None:
-    """`rollout`: actor_rollout_ref.rollout; `world`: the actor-rollout pool's processes."""
+def validate_server_mode(rollout) -> None:
+    """`rollout`: actor_rollout_ref.rollout. Any layout serves: one replica or several, each of any t_g (vLLM's
+    data-parallel replicas step in lockstep; VLLMRollout.serve_tick, tests/test_server_mode_dp.py)."""
     require_choice(f"{P}.mode", rollout.mode, MODES)
     mt, ag = rollout.multi_turn, rollout.agent
     if mt.enable and rollout.mode != "async":
@@ -28,12 +29,6 @@ def validate_server_mode(rollout, world: int) -> None:
     if rollout.name != "vllm":
         raise ValueError(f"{P}.mode=async serves from vLLM's engine loop; {P}.name={rollout.name!r} has none "
                          f"(set {P}.name=vllm)")
-    t_g = rollout.tensor_model_parallel_size
-    if t_g > 1 and world // t_g > 1:
-        # vLLM's data-parallel engines step as one collective; server ticks would have to keep every replica in
-        # lockstep (VLLMRollout.serve_tick's lockstep rule), which no test has exercised yet.
-        raise ValueError(f"{P}.mode=async with {world // t_g} replicas of {P}.tensor_model_parallel_size={t_g} "
-                         "(vLLM data parallel) is not supported yet; use one replica (t_g = the pool's size) or t_g=1")
     for key, value, ok, want in (
             ("agent.max_concurrent_trajectories", ag.max_concurrent_trajectories,
              ag.max_concurrent_trajectories >= 1, ">= 1"),

@@ -3,10 +3,11 @@
 The driver's agent loops call `RolloutServer.generate` concurrently (asyncio). The server keeps, per
 generation replica, the requests not yet sent; one task ("the ticker") sends them all in one worker-group
 call, `serve_tick` (dispatch DP_PER_REPLICA: replica d's list goes to every TP rank of replica d), which adds
-them to each replica's running vLLM engine and steps it until a request finishes. The finished ones resolve
-their callers' futures; the unfinished stay in the engine. So trajectories enter and leave the engine's
-continuous batch every few decode steps, and a tool call that runs on the driver overlaps the other
-trajectories' decoding instead of stalling a whole batch.
+them to each replica's running vLLM engine and steps it until a request finishes (vLLM's data-parallel replicas,
+whose steps are collectives, step together: until a request finishes on any of them). Every replica gets the call,
+with an empty list where it has nothing new. The finished ones resolve their callers' futures; the unfinished stay
+in the engine. So trajectories enter and leave the engine's continuous batch every few decode steps, and a tool
+call that runs on the driver overlaps the other trajectories' decoding instead of stalling a whole batch.
 
 Routing: a `route_key` (an agent loop passes its trajectory id) sticks to the replica it was first sent
 to, so each turn of a trajectory finds its prefix in that replica's KV cache; a new key goes to the replica

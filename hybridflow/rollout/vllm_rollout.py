@@ -268,8 +268,9 @@ class VLLMRollout(Rollout):
     # each `serve_tick` adds the new ones to the running engine and steps it until one finishes, so a
     # trajectory whose turn ended can run its tool and come back while the others keep decoding. All TP
     # ranks of a replica get the same requests in the same tick and step the same way, which is what
-    # external_launcher needs; vLLM's AsyncLLM is not used because it runs its own engine-core loop in a
-    # background process/thread, outside the trainer's SPMD process where the 3D-HybridEngine writes weights.
+    # external_launcher needs, and data-parallel replicas step together (`steps_in_lockstep`). vLLM's
+    # AsyncLLM is not used because it runs its own engine-core loop in a background process/thread,
+    # outside the trainer's SPMD process where the 3D-HybridEngine writes weights.
 
     def _request_params(self, r: dict):
         from vllm import SamplingParams
@@ -285,12 +286,28 @@ class VLLMRollout(Rollout):
         return SamplingParams(temperature=float(r.get("temperature", 1.0)), top_p=float(r.get("top_p", 1.0)),
                               top_k=top_k if top_k > 0 else -1, **common)
 
-    def serve_tick(self, requests: list[dict], max_steps: int = 16, lockstep: bool = False) -> list[dict]:
+    @property
+    def steps_in_lockstep(self) -> bool:
+        """Whether this engine's steps are collectives over vLLM's data-parallel group: external_launcher with
+        data_parallel_size > 1, where every engine step all-reduces the batch shape across the replicas (and an
+        idle replica must run a dummy batch to match). Then every rank of every replica must take the same number
+        of steps in a tick. Read from the engine rather than from the layout: on GPU every multi-replica rollout
+        is data parallel (t_g = 1 too); on CPU t_g = 1 replicas are independent single-rank engines."""
+        return self.llm.llm_engine.vllm_config.parallel_config.data_parallel_size > 1
+
+    def serve_tick(self, requests: list[dict], max_steps: int = 16, lockstep: bool | None = None) -> list[dict]:
         """Adds `requests` ({request_id, prompt_ids, max_tokens, seed, temperature, ...}) to the engine, steps it
-        until a request finishes (at most `max_steps` steps; lockstep=True: exactly until the engine is idle
-        or max_steps, the rule vLLM's data-parallel engines need, whose steps are collectives) and returns the
-        finished ones as {request_id, token_ids, log_probs, finish_reason}. Unfinished requests stay in flight
-        for the next tick.
+        until a request finishes (at most `max_steps` steps) and returns the finished ones as {request_id,
+        token_ids, log_probs, finish_reason}. Unfinished requests stay in flight for the next tick.
+
+        lockstep (default: `steps_in_lockstep`, read from the engine): the replicas decide together, once before
+        each step, by one all-reduce over vLLM's data-parallel group: the tick ends for all when a request finished
+        on any replica, or none has work left, or at max_steps; a replica with nothing in flight runs vLLM's dummy
+        batch for the step, as vLLM's own generate loop does. So every rank of every replica takes the same number
+        of engine steps per tick, whatever each was sent; every rank of every replica must call each tick, with
+        the same max_steps (the driver's DP_PER_REPLICA call does). A replica whose requests fail to be added
+        raises its error and every other replica raises too, at the same decision, instead of waiting in the
+        next step's collective.
 
         Outputs come as deltas and are gathered here per request, so that `interrupt` can hand back what a
         request has sampled so far (partial rollouts at a weight update, #25)."""
@@ -298,33 +315,75 @@ class VLLMRollout(Rollout):
 
         if self._released:
             raise RuntimeError("VLLMRollout.serve_tick after release(); call resume() first")
+        if lockstep is None:
+            lockstep = self.steps_in_lockstep
         engine = self.llm.llm_engine
-        for r in requests:
-            rid = str(r["request_id"])
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), self._request_params(r))
-            self._serving[rid] = ([], [] if self.config.calculate_log_probs else None)
+        failed: Exception | None = None
+        try:
+            for r in requests:
+                rid = str(r["request_id"])
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r["prompt_ids"])),
+                                   self._request_params(r))
+                self._serving[rid] = ([], [] if self.config.calculate_log_probs else None)
+        except Exception as e:
+            if not lockstep:
+                raise
+            failed = e  # the other replicas must hear of it before they step
         done: list[dict] = []
-        steps = 0
+        steps = idle_steps = 0
         start = time.perf_counter()
-        while steps < max_steps and engine.has_unfinished_requests():
-            steps += 1
-            for out in engine.step():
-                toks, lps = self._serving[out.request_id]
-                comp = out.outputs[0]
-                new = list(comp.token_ids)
-                toks += new
-                if lps is not None:
-                    lps += _sampled_log_probs(new, comp.logprobs, out.request_id)
-                if not out.finished:
+        while steps < max_steps:
+            busy = engine.get_num_unfinished_requests() > 0
+            if lockstep:
+                any_busy, any_done = self._agree_on_step(busy, bool(done), failed)
+                if any_done or not any_busy:
+                    break
+                if not busy:
+                    steps += 1
+                    idle_steps += 1
+                    engine.engine_core.execute_dummy_batch()
                     continue
-                del self._serving[out.request_id]
-                done.append({"request_id": out.request_id, "token_ids": toks, "log_probs": lps,
-                             "finish_reason": "stop" if comp.finish_reason == "stop" else str(comp.finish_reason)})
-            if done and not lockstep:
+            elif done or not busy:
                 break
-        self.last_stats = {"seconds": time.perf_counter() - start, "steps": steps,
+            steps += 1
+            self._collect_outputs(engine.step(), done)
+        if failed is not None:  # max_steps < 1: no step, so no agreement raised it
+            raise failed
+        self.last_stats = {"seconds": time.perf_counter() - start, "steps": steps, "idle_steps": idle_steps,
                            "response_tokens": sum(len(d["token_ids"]) for d in done)}
         return done
+
+    def _agree_on_step(self, busy: bool, finished: bool, failed: Exception | None) -> tuple[bool, bool]:
+        """One all-reduce (MAX) over vLLM's data-parallel group: (any replica busy, any finished a request this
+        tick). The TP ranks of a replica sit in different data-parallel groups (one per TP rank), each of which
+        decides the same from the same replica states. Bounded by the group's timeout (vLLM's
+        cpu_distributed_timeout_seconds)."""
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state
+
+        flags = torch.tensor([busy, finished, failed is not None], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=parallel_state.get_dp_group().cpu_group)
+        if failed is not None:
+            raise failed
+        if flags[2]:
+            raise RuntimeError(f"serve_tick: another replica of this data-parallel engine failed to add its requests "
+                               f"this tick (see its error); replica {self.replica_rank} stops with it")
+        return bool(flags[0]), bool(flags[1])
+
+    def _collect_outputs(self, outputs, done: list[dict]) -> None:
+        """Appends each request's delta to what it has so far; a finished request moves to `done`."""
+        for out in outputs:
+            toks, lps = self._serving[out.request_id]
+            comp = out.outputs[0]
+            new = list(comp.token_ids)
+            toks += new
+            if lps is not None:
+                lps += _sampled_log_probs(new, comp.logprobs, out.request_id)
+            if not out.finished:
+                continue
+            del self._serving[out.request_id]
+            done.append({"request_id": out.request_id, "token_ids": toks, "log_probs": lps,
+                         "finish_reason": "stop" if comp.finish_reason == "stop" else str(comp.finish_reason)})
 
     def interrupt(self) -> list[dict]:
         """Aborts every request in the engine and returns what each sampled so far, as {request_id, token_ids,

@@ -185,10 +185,9 @@ def validate(cfg: HybridFlowConfig) -> None:
     except LayoutError as e:
         raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size="
                          f"{a.rollout.tensor_model_parallel_size}: {e}") from None
-    from hybridflow.config.async_checks import split_rollout
     from hybridflow.config.server_mode_checks import validate_server_mode
 
-    validate_server_mode(a.rollout, place.world("rollout" if split_rollout(cfg) else "actor_rollout"))
+    validate_server_mode(a.rollout)
     from hybridflow.config.async_checks import validate_async
 
     validate_async(cfg, place)
