@@ -175,3 +175,4 @@ def test_megatron_moe_to_vllm_sync_matches_megatron(tmp_path, arch, layout):
         assert r["after_equals_reference"] and r["again_equals_after"], r
         assert r["max_logprob_diff_vs_megatron"] < 1e-5 and r["max_logprob_diff_unpoisoned_vs_megatron"] < 1e-5, r
         assert r["sync"]["bytes_recv"] == r["sync"]["expected_recv_bytes"] > 0, r
+        assert r["shm_active"] is False, r  # cpu_shm_allreduce=False: gloo TP collectives on every CPU type

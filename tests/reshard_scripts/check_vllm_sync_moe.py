@@ -94,6 +94,7 @@ def main() -> int:
         "max_logprob_diff_vs_megatron": max_diff(after_logps, mcore),
         "max_logprob_diff_unpoisoned_vs_megatron": max_diff(again_logps, mcore),
         "sync": stats, "sync_unpoisoned_s": stats2["seconds"],
+        "shm_active": rollout.shm_active,  # off here on every machine: the AVX2 path, forced on AVX-512/AMX too
     }
     results: list = [None] * world
     torch.distributed.all_gather_object(results, result)

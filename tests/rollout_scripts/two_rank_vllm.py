@@ -9,9 +9,7 @@ builds the rollout. Then, in the same processes:
      collectives run on vLLM's shared-memory communicator where this CPU's vLLM build has it (AVX-512/AMX),
      whose segment names must already be gone from /dev/shm while the engine runs, as must the name of the TP
      group's broadcast buffer.
-  2. shutdown, then t_g=2 again with the shm communicator off (gloo TP collectives: the path an AVX2-only
-     machine always takes), greedy.
-  3. shutdown, then t_g=1 (two replicas, vLLM data_parallel_size=2): each rank generates its own
+  2. shutdown, then t_g=1 (two replicas, vLLM data_parallel_size=2): each rank generates its own
      slice of the batch (uneven: 5 and 4 rows), all_gather_replicas gives both the full output;
      then a one-prompt batch, so replica 1 has nothing to do but must still take part.
 Each rank saves what it saw to OUT_DIR/rank{r}.pt; the test compares with HF.
@@ -79,12 +77,6 @@ def main(model_dir: str, new_dir: str, out_dir: str) -> None:
     saved["tp2_load_s"] = rollout.last_weight_load_s
     out, _ = generate_all(rollout, greedy)
     saved["tp2_new_weights_greedy"] = out.batch["responses"]
-    rollout.shutdown()
-
-    rollout = VLLMRollout(model_dir, cfg, dtype="float32", cpu_shm_allreduce=False)
-    saved["tp2_gloo_shm_active"] = rollout.shm_active
-    out, _ = generate_all(rollout, greedy)
-    saved["tp2_gloo_greedy"] = out.batch["responses"]
     rollout.shutdown()
 
     cfg = RolloutConfig(tensor_model_parallel_size=1, response_length=R, ignore_eos=True, seed=7,
