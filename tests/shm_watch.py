@@ -80,6 +80,8 @@ def _no_shm_segments_left(shm_before_session, request):
     left = leftovers(before)
     if left:
         remove(left)
-        pytest.fail(f"{request.node.nodeid} left {len(left)} vLLM shared-memory segment(s) in /dev/shm (removed "
-                    f"now): {sorted(left)}. Build engines through hybridflow.rollout.vllm_engine.build_llm, which "
-                    "names them per job and unlinks them once every rank has mapped them", pytrace=False)
+        beside = " (or the test beside it on the other xdist worker)" if os.environ.get("PYTEST_XDIST_WORKER") else ""
+        pytest.fail(f"{request.node.nodeid}{beside} left {len(left)} vLLM shared-memory segment(s) in /dev/shm "
+                    f"(removed now): {sorted(left)}. Build engines through hybridflow.rollout.vllm_engine.build_llm, "
+                    "or vLLM's groups inside vllm_launch.cpu_shm_communicator and broadcast_buffers_unlinked: they "
+                    "unlink every name once all ranks have mapped it", pytrace=False)

@@ -22,7 +22,7 @@ def main() -> int:
     from hybridflow.parallel.dims import GenerationDims, ParallelDims
     from hybridflow.resharding.planner import plan_resharding
     from hybridflow.resharding.vllm_groups import VllmGroupError, planned_vllm_groups, verify_vllm_groups
-    from hybridflow.rollout.vllm_launch import cpu_shm_communicator, job_token
+    from hybridflow.rollout.vllm_launch import broadcast_buffers_unlinked, cpu_shm_communicator, job_token
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ps.init_distributed_environment(world, rank, "env://", int(os.environ["LOCAL_RANK"]), backend="gloo")
@@ -31,9 +31,10 @@ def main() -> int:
     def build(t_g: int, replicas: int, patched_plan=None):
         cfg = VllmConfig(parallel_config=ParallelConfig(
             tensor_parallel_size=t_g, data_parallel_size=replicas, distributed_executor_backend="external_launcher"))
-        # The TP groups' CPU communicators are built here as in an engine: shm segments named per job and unlinked
-        # once mapped (hybridflow/rollout/vllm_engine.py says why)
-        with set_current_vllm_config(cfg), cpu_shm_communicator(job_token()):
+        # The TP groups' CPU communicators and broadcast buffers are built here as in an engine: shm segments named per
+        # job and unlinked once mapped (hybridflow/rollout/vllm_engine.py says why); a rank forked by rank_launch
+        # exits without running the buffers' destructors, so a name left to them would outlive the test
+        with set_current_vllm_config(cfg), cpu_shm_communicator(job_token()), broadcast_buffers_unlinked():
             if patched_plan is None:
                 ps.initialize_model_parallel(t_g, 1, backend="gloo")
             else:
