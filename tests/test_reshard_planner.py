@@ -90,7 +90,9 @@ def replay(plan) -> tuple[list[int], list[int]]:
 
 def random_layout(rng: random.Random):
     while True:
-        t, p, d = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4]), rng.choice([1, 2, 3])
+        # p = 3 and 6: generation groups that do not nest with t*p, spanning pipeline stages (verl's router-replay
+        # script: t=1, p=6, t_g=4)
+        t, p, d = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3, 4, 6]), rng.choice([1, 2, 3])
         world = t * p * d
         options = [g for g in (1, 2, 4, 8, 16) if world % g == 0 and (t % g == 0 or g % t == 0)]
         t_g = rng.choice(options)
@@ -143,10 +145,11 @@ def mixed_specs(rng: random.Random, train: ParallelDims, gen: GenerationDims) ->
 
 def test_random_layouts_end_state_bytes_and_formulas():
     rng = random.Random(20240919)
-    checked = 0
+    checked, seen = 0, []
     for _ in range(150):
         train, gen = random_layout(rng)
         t, p, t_g = train.tp, train.pp, gen.tp
+        seen.append((t, p, t_g))
         # mixed parameters: exact end state, recv == per-rank lower bound
         try:
             plan = plan_resharding(train, gen, mixed_specs(rng, train, gen))
@@ -169,9 +172,11 @@ def test_random_layouts_end_state_bytes_and_formulas():
         assert sym.groups_ascending == (t_g <= t or t == 1)
         checked += 1
     assert checked > 90
+    assert any((t * p) % t_g and t_g % (t * p) for t, p, t_g in seen), "no layout whose t_g does not nest with t*p"
 
 
-@pytest.mark.parametrize("t,p,d,t_g", [(4, 1, 1, 2), (8, 1, 2, 2), (8, 4, 1, 8), (2, 2, 2, 4), (1, 4, 2, 2)])
+@pytest.mark.parametrize("t,p,d,t_g", [(4, 1, 1, 2), (8, 1, 2, 2), (8, 4, 1, 8), (2, 2, 2, 4), (1, 4, 2, 2),
+                                       (1, 6, 2, 4)])
 def test_placement_nests_shards_and_groups_partition_the_world(t, p, d, t_g):
     train, gen = ParallelDims(tp=t, pp=p, dp=d), GenerationDims(tp=t_g)
     placements, groups = place_ranks(train, gen)

@@ -271,17 +271,16 @@ class GenerationDims:
         return world_size // self.tp
 
     def validate(self, train: ParallelDims, model: ModelShape | None = None) -> GenerationDims:
-        t_g, tp_total = self.tp, train.tp * train.pp
+        t_g = self.tp
         if t_g < 1:
             raise LayoutError(f"rollout tensor_model_parallel_size={t_g} must be >= 1")
         if t_g > train.world_size:
             raise LayoutError(f"rollout tp={t_g} needs more ranks than the world size {train.world_size}")
         if train.world_size % t_g != 0:
             raise LayoutError(f"rollout tp={t_g} does not divide the world size {train.world_size}")
-        if tp_total % t_g != 0 and t_g % tp_total != 0:
-            raise LayoutError(
-                f"rollout tp={t_g} neither divides nor is a multiple of training t*p={train.tp}*{train.pp}={tp_total}"
-            )
+        # t_g need not nest with t*p (the paper's Table 2 assumes t_g*p_g <= t*p for its formula only): a generation
+        # group may span pipeline stages, and the planner routes every stage's layers to it from their holders
+        # (hybridflow/resharding/planner.py, check_layouts has the rule the shards need: t and t_g nest).
         if model is not None:
             _check_divides("num_attention_heads", model.num_heads, "rollout tp", t_g)
             _check_divides("num_key_value_heads", model.num_kv_heads, "rollout tp", t_g)
