@@ -216,19 +216,18 @@ def log_cuda_only(cfg, on_cuda: bool) -> list[str]:
 def transformer_fields(o, on_cuda: bool) -> dict:
     """The pass-through TransformerConfig fields of override section `o` for a model built here: all of them on
     a GPU, without the CUDA-only ones on CPU. Refused fields raise (a config built without the loader)."""
-    fields = overrides_of(o)
-    for name, value in fields.items():
-        problem = classify(TRANSFORMER, f"megatron.{SECTIONS[TRANSFORMER]}.{name}", value)
-        if problem:
-            raise ValueError(problem)
-    return {k: v for k, v in fields.items() if on_cuda or not needs_cuda(TRANSFORMER, k, v)}
+    return _usable_fields(TRANSFORMER, f"megatron.{SECTIONS[TRANSFORMER]}", o, on_cuda)
 
 
 def optimizer_fields(section, on_cuda: bool) -> dict:
     """As transformer_fields, for an override_optimizer_config section."""
+    return _usable_fields(OPTIMIZER, f"optim.{SECTIONS[OPTIMIZER]}", section, on_cuda)
+
+
+def _usable_fields(kind, prefix: str, section, on_cuda: bool) -> dict:
     fields = overrides_of(section)
     for name, value in fields.items():
-        problem = classify(OPTIMIZER, f"optim.{SECTIONS[OPTIMIZER]}.{name}", value)
+        problem = classify(kind, f"{prefix}.{name}", value)
         if problem:
             raise ValueError(problem)
-    return {k: v for k, v in fields.items() if on_cuda or not needs_cuda(OPTIMIZER, k, v)}
+    return {k: v for k, v in fields.items() if on_cuda or not needs_cuda(kind, k, v)}
