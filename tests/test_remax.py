@@ -11,7 +11,8 @@ import json
 
 import pytest
 import torch
-from test_async_checks import SPLIT
+from test_async_checks import SPLIT, files  # noqa: F401  (files: the tiny policy and data, a fixture)
+from test_async_checks import _validate as validate_overrides
 from test_validation import FakeActorRollout, _row, parquet_data  # noqa: F401  (parquet_data: a fixture)
 
 from hybridflow.config.load import load_config
@@ -21,28 +22,13 @@ from hybridflow.protocol import DataProto
 SOURCE = "hybridflow/reverse"
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    from hybridflow.data.synthetic import make_reverse_rows, write_parquet
-    from hybridflow.models.tiny import save_tiny_model
-
-    root = tmp_path_factory.mktemp("remax_checks")
-    write_parquet(make_reverse_rows(8, seed=0), root / "train.parquet")
-    return {"model": save_tiny_model(root / "policy"), "data": root / "train.parquet"}
-
-
-def _validate(files, *overrides):
-    from hybridflow.trainer.main import validate
-
-    cfg = load_config(None, [f"actor_rollout_ref.model.path={files['model']}", f"data.train_files=[{files['data']}]",
-                             "trainer.total_training_steps=4", "algorithm.adv_estimator=remax", *overrides])
-    validate(cfg)
-    return cfg
+def _validate(files, *overrides):  # noqa: F811
+    return validate_overrides(files, "algorithm.adv_estimator=remax", *overrides)
 
 
 @pytest.mark.parametrize("overrides", [("actor_rollout_ref.rollout.n=1",), ("actor_rollout_ref.rollout.n=4",),
                                        SPLIT], ids=["colocated-n1", "colocated-n4", "split-sync"])
-def test_remax_passes_in_the_synchronous_batch_modes(files, overrides):
+def test_remax_passes_in_the_synchronous_batch_modes(files, overrides):  # noqa: F811
     cfg = _validate(files, *overrides)
     assert cfg.algorithm.adv_estimator == "remax" and not cfg.critic.enable
 
@@ -55,7 +41,7 @@ def test_remax_passes_in_the_synchronous_batch_modes(files, overrides):
     ((*SPLIT, "async_training.mode=fully_async", "actor_rollout_ref.rollout.mode=async"),
      r"remax .* actor_rollout_ref.rollout.mode=async"),
 ], ids=["server-mode", "split-server-mode", "one-step-off-policy", "fully-async"])
-def test_remax_is_refused_where_a_step_does_not_generate_its_own_batch(files, overrides, message):
+def test_remax_is_refused_where_a_step_does_not_generate_its_own_batch(files, overrides, message):  # noqa: F811
     with pytest.raises(ValueError, match=message):
         _validate(files, *overrides)
 
