@@ -196,7 +196,12 @@ def _fork_worker(conn, listener, clients) -> int:
 def _watch_client(conn: socket.socket) -> None:
     """The worker dies with its client: Ray's raylet may SIGKILL the process it started (the client), and a worker
     left behind would hold its actors' resources. The client never writes after its request, so any return of
-    recv (EOF) means it is gone."""
+    recv (EOF) means it is gone.
+
+    The watching thread blocks every signal: the kernel hands a process-directed signal (the SIGTERM the client
+    passes on) to any thread that does not block it, and one taken by this thread, asleep in recv, only sets
+    Python's flag, which the main thread reads when it next wakes up: a worker asleep in time.sleep(60) then exited
+    60 s late (seen once as a test timing out at 30 s). The thread inherits the mask set around its start."""
     import threading
 
     def watch():
@@ -206,7 +211,12 @@ def _watch_client(conn: socket.socket) -> None:
             pass
         os.kill(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=watch, name="ray-zygote-client-watch", daemon=True).start()
+    every = signal.valid_signals()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, every)
+    try:
+        threading.Thread(target=watch, name="ray-zygote-client-watch", daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 # ---- starting it, from a pytest process ---------------------------------------------------------------------------

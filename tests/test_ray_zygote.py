@@ -142,15 +142,22 @@ def test_without_a_server_the_client_runs_a_fresh_interpreter(tmp_path):
 
 
 def test_a_signal_to_the_client_reaches_the_forked_process(tmp_path):
+    """The fork's client-watching thread blocks every signal (its SigBlk in /proc), so the SIGTERM the client passes
+    on reaches the main thread, asleep in time.sleep, at once; one taken by the watching thread woke nobody."""
     local_ray()
     path = tmp_path / "wait.py"
-    path.write_text("import signal, sys, time\n"
+    path.write_text("import signal, sys, threading, time\n"
                     "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
+                    "watch = next(t for t in threading.enumerate() if t.name == 'ray-zygote-client-watch')\n"
+                    "status = open(f'/proc/self/task/{watch.native_id}/status').read()\n"
+                    "print(next(x for x in status.splitlines() if x.startswith('SigBlk:')).split()[1], flush=True)\n"
                     "print('ready', flush=True)\n"
                     "time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, ray_zygote.__file__, "--client", ray_zygote._server[1], str(path)],
                             stdout=subprocess.PIPE, text=True)
     try:
+        blocked = int(proc.stdout.readline().strip(), 16)
+        assert blocked >> (signal.SIGTERM - 1) & 1, f"the watching thread takes SIGTERM (SigBlk {blocked:#x})"
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 7
