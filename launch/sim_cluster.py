@@ -51,8 +51,9 @@ class SimCluster:
         # The dashboard (about 1 GB more) is what `ray job submit` talks to; off unless asked.
         self.include_dashboard = include_dashboard or dashboard_port is not None
         self.dashboard_port = dashboard_port
-        # Ray's unix socket paths must stay under ~107 bytes: keep the temp dir short.
+        # Ray's unix socket paths must stay under ~107 bytes: keep the temp dir short. One made here goes at stop().
         self.temp_dir = temp_dir or f"/tmp/hf_sim_{port}"
+        self._own_temp_dir = temp_dir is None
         os.makedirs(self.temp_dir, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         # Ray's token auth (on by default) shares ~/.ray/auth_token between every cluster on the machine, and
@@ -142,13 +143,20 @@ class SimCluster:
         # so do the processes that run inside it (a submitted job's driver runs in its unpacked working dir).
         import psutil
 
+        killed = []
         for proc in psutil.process_iter(["cmdline", "cwd"]):
             try:
                 if (any(self.temp_dir in arg for arg in proc.info["cmdline"] or [])
                         or (proc.info["cwd"] or "").startswith(self.temp_dir + "/")):
                     proc.kill()
+                    killed.append(proc)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
+        psutil.wait_procs(killed, timeout=timeout_s)
+        if self._own_temp_dir:  # its sessions and node logs: each test run left one in /tmp
+            import shutil
+
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self):
         self.start()
