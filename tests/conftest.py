@@ -76,6 +76,7 @@ def local_ray() -> str:
     import ray
 
     from hybridflow.controller import init_ray
+    from hybridflow.controller.ray_env import shutdown_and_remove
 
     if not ray.is_initialized():
         # Ray workers import test helper modules (tests/ray_workers.py) by name.
@@ -90,36 +91,9 @@ def local_ray() -> str:
 
         ray_zygote.start()
         run_dir = tempfile.mkdtemp(prefix="hf_test_ray_")
-        atexit.register(_shut_down_and_remove, run_dir)
+        atexit.register(shutdown_and_remove, run_dir)  # the session's Ray, then its temp dir
         init_ray(num_cpus=16, object_store_memory=1024**3, run_dir=run_dir, env_vars={"PYTHONPATH": pythonpath})
     return ray.get_runtime_context().gcs_address
-
-
-def _shut_down_and_remove(run_dir: str, timeout_s: float = 15) -> None:
-    """At exit: shut the local Ray down, then remove its temp dir once no process names it any more. Ray's own
-    atexit shutdown is registered when ray is imported, so it would run after this; and ray.shutdown() returns
-    before its daemons have exited. Removing the dir before either left an empty ray/session_<time> in /tmp after
-    every pytest process that started a local Ray."""
-    import shutil
-
-    import psutil
-    import ray
-
-    ray.shutdown()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = False
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                alive = any(run_dir in a for a in p.info["cmdline"] or [])
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if alive:
-                break
-        if not alive:
-            break
-        time.sleep(0.2)
-    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -102,6 +102,12 @@ def test_a_run_reports_every_metric_verl_users_read_and_plots_its_curves(observe
     missing = [k for k in REQUIRED if k not in rows[-1]]
     assert not missing, f"metrics.jsonl lacks {missing}"
     assert (observed_run["run_dir"] / "curves.png").stat().st_size > 5000
+    # Its run dir is too deep for Ray's socket paths, so its local Ray ran under a short /tmp stand-in, which the
+    # driver removes once the cluster is down (hybridflow/controller/ray_env.py)
+    from hybridflow.controller.ray_env import ray_temp_dir
+
+    stand_in = ray_temp_dir(observed_run["run_dir"])
+    assert stand_in.parent == Path("/tmp") and not stand_in.exists(), stand_in
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 
 from hybridflow.ports import is_loopback_address
@@ -107,4 +108,39 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
         kwargs["dashboard_host"] = "127.0.0.1"
     log.info("starting local Ray (num_cpus=%s, temp dir %s)", num_cpus, tmp)
     with _cluster_mode(False):
-        return ray.init(**kwargs)
+        context = ray.init(**kwargs)
+    if tmp != Path(os.environ.get("RAY_TMPDIR") or Path(run_dir).resolve() / "ray"):
+        # The short /tmp stand-in for a run dir whose socket paths would be too long: nobody would look for its
+        # logs there, and every such run left one behind. The run dir's own ray/ stays, logs and all.
+        import atexit
+
+        atexit.register(shutdown_and_remove, tmp)
+    return context
+
+
+def shutdown_and_remove(temp_dir, timeout_s: float = 15) -> None:
+    """Shut this process's Ray down, then remove `temp_dir` once no process names it any more. ray.shutdown()
+    returns before the local cluster's daemons have exited, and a daemon still shutting down made its session dir
+    again after an immediate rmtree. Ray's own atexit shutdown is registered when ray is imported, so an atexit
+    handler registered later runs before it: hence the shutdown here."""
+    import shutil
+
+    import psutil
+    import ray
+
+    ray.shutdown()
+    temp_dir = str(temp_dir)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = False
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                alive = any(temp_dir in arg for arg in proc.info["cmdline"] or [])
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if alive:
+                break
+        if not alive:
+            break
+        time.sleep(0.2)
+    shutil.rmtree(temp_dir, ignore_errors=True)
