@@ -283,6 +283,41 @@ def test_run_many_names_a_hung_trajectory(tok):
         asyncio.run(run_many(loop, [{"prompt_ids": [1]}] * 2, Hang(), concurrency=1, timeout_s=0.2))
 
 
+def test_run_many_admits_groups_once_and_samples_an_interrupted_request_again(tok):
+    """fully_async's uses of run_many: a gate per group of samples (awaited once, before any of its samples), a
+    semaphore shared with other batches, and an interrupted sample run again from its prompt, counted."""
+    from hybridflow.rollout.server_api import RequestInterrupted
+
+    events: list = []
+
+    class InterruptOnce:  # the first request of uid 'b.1' is interrupted (a weight update without partial rollout)
+        def __init__(self):
+            self.interrupted = False
+
+        async def generate(self, prompt_ids, sampling, route_key):
+            events.append(("request", route_key))
+            if route_key == "b.1" and not self.interrupted:
+                self.interrupted = True
+                raise RequestInterrupted("weights changed")
+            return TokenOutput([5], [0.0], "stop")
+
+    async def admit(group: int):
+        events.append(("admit", group))
+        await asyncio.sleep(0.01 * (2 - group))  # group 1 is admitted first: order is per gate, not per sample
+
+    slots = asyncio.Semaphore(1)
+    restarts = []
+    samples = [{"prompt_ids": [1], "uid": u, "route_key": u} for u in ("a.0", "a.1", "b.0", "b.1")]
+    loop = SingleTurnAgentLoop(response_length=4, sampling=TurnSampling(max_tokens=4))
+    trajs = asyncio.run(run_many(loop, samples, InterruptOnce(), concurrency=99, slots=slots, admit=admit,
+                                 group_size=2, sample_again_on=(RequestInterrupted,),
+                                 on_sample_again=lambda: restarts.append(1)))
+    assert [e for e in events if e[0] == "admit"] == [("admit", 0), ("admit", 1)]  # once per group
+    requests = [e[1] for e in events if e[0] == "request"]
+    assert requests == ["b.0", "b.1", "b.1", "a.0", "a.1"]  # group 1 first; b.1 again after its interruption
+    assert restarts == [1] and len(trajs) == 4 and [t.response_ids for t in trajs] == [[5]] * 4
+
+
 def test_the_docs_environment_runs(tok):
     """docs/agent_loop.md's step-based environment, executed as written."""
     text = (REPO / "docs" / "agent_loop.md").read_text()

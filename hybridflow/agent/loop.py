@@ -40,7 +40,7 @@ import abc
 import asyncio
 import hashlib
 import statistics
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 
 from hybridflow.agent.tool_calls import SIDES, ToolCall, get_format
@@ -49,10 +49,16 @@ from hybridflow.agent.trajectory import Trajectory
 from hybridflow.rollout.server_api import LLMClient, TokenOutput, TurnSampling
 
 
-def turn_seed(sample_seed: int, turn: int) -> int:
-    """The seed of one request: a stable hash of (sample seed, turn index), in [0, 2**31)."""
-    digest = hashlib.blake2b(f"{int(sample_seed)}:{int(turn)}".encode(), digest_size=8).digest()
+def stable_seed(*parts: int) -> int:
+    """The one way a seed is derived from integers (a trajectory's, a request's): a hash that is the same in every
+    process and Python version (unlike hash() of a str), in [0, 2**31)."""
+    digest = hashlib.blake2b(":".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def turn_seed(sample_seed: int, turn: int) -> int:
+    """The seed of one request: from (sample seed, turn index)."""
+    return stable_seed(sample_seed, turn)
 
 
 class AgentLoop(abc.ABC):
@@ -207,32 +213,58 @@ class ToolAgentLoop(AgentLoop):
 
 
 async def run_many(loop: AgentLoop, samples: Sequence[dict], llm: LLMClient, tools: ToolSet | None = None,
-                   concurrency: int = 1024, seed: int = 0, timeout_s: float = 3600.0) -> list[Trajectory]:
-    """Runs every sample (at most `concurrency` at once), in order. A sample without `seed` gets one derived
-    from (seed, its index), without `uid` the uid `traj-<index>`. One that fails or runs past timeout_s
-    cancels the rest and raises, naming the sample."""
+                   concurrency: int = 1024, seed: int = 0, timeout_s: float = 3600.0, *,
+                   slots: asyncio.Semaphore | None = None, admit: Callable[[int], Awaitable[None]] | None = None,
+                   group_size: int = 1, sample_again_on: tuple[type[BaseException], ...] = (),
+                   on_sample_again: Callable[[], None] | None = None) -> list[Trajectory]:
+    """Runs every sample (at most `concurrency` at once), in order: the one way trajectories run, in every mode. A
+    sample without `seed` gets one derived from (seed, its index), without `uid` the uid `traj-<index>`. One that
+    fails or runs past timeout_s cancels the rest and raises, naming the sample.
+
+    fully_async's producer (hybridflow/trainer/async_producer.py) runs its batches through here too, with:
+    `slots`, a semaphore shared by all its batches in place of one of `concurrency`; `admit(g)`, awaited once before
+    any sample of group g (`group_size` consecutive samples: a prompt's n) starts; `sample_again_on`, the errors after
+    which a sample runs again from its prompt (an interrupted request without partial_rollout), each one counted by
+    calling `on_sample_again()`.
+    """
     if concurrency < 1:
         raise ValueError(f"run_many: concurrency={concurrency} must be >= 1 "
                          "(rollout.agent.max_concurrent_trajectories)")
     tools = tools if tools is not None else ToolSet()
-    slots = asyncio.Semaphore(concurrency)
+    slots = slots if slots is not None else asyncio.Semaphore(concurrency)
+    gates: dict[int, asyncio.Future] = {}
+
+    async def admitted(group: int) -> None:
+        if admit is None:
+            return
+        if group not in gates:
+            gates[group] = asyncio.ensure_future(admit(group))
+        await asyncio.shield(gates[group])  # one wait per group, however many of its samples are waiting
 
     async def one(i: int, sample: dict) -> Trajectory:
         sample = {"seed": turn_seed(seed, i), "uid": f"traj-{i}", **sample}
-        async with slots:
-            try:
-                return await asyncio.wait_for(loop.run(sample, llm, tools), timeout=timeout_s)
-            except TimeoutError as e:
-                if str(e):  # a request's or the tools' own timeout, already explained
-                    raise
-                raise TimeoutError(f"run_many: sample {i} (uid {sample['uid']!r}) ran past {timeout_s:g} s "
-                                   "(the trajectory timeout)") from None
+        await admitted(i // group_size)
+        while True:
+            async with slots:
+                try:
+                    return await asyncio.wait_for(loop.run(sample, llm, tools), timeout=timeout_s)
+                except sample_again_on:
+                    if on_sample_again is not None:
+                        on_sample_again()
+                except TimeoutError as e:
+                    if str(e):  # a request's or the tools' own timeout, already explained
+                        raise
+                    raise TimeoutError(f"run_many: sample {i} (uid {sample['uid']!r}) ran past {timeout_s:g} s "
+                                       "(the trajectory timeout)") from None
 
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(one(i, s)) for i, s in enumerate(samples)]
     except BaseExceptionGroup as eg:
         raise eg.exceptions[0] from eg
+    finally:
+        for gate in gates.values():
+            gate.cancel()
     return [t.result() for t in tasks]
 
 

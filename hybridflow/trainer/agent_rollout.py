@@ -1,8 +1,9 @@
 """The `gen` stage in server mode (actor_rollout_ref.rollout.mode=async): agent loops over the rollout server.
 
-`RayPPOTrainer` calls `AgentRollout.generate(batch)` where the batch mode calls `generate_sequences`; what
-comes back has the same keys and shapes (hybridflow/rollout/base.py), with `response_mask` 0 on tool tokens,
-so every stage after `gen` (reward, old_log_prob, ref, values, adv, updates) runs unchanged: one trainer.
+`AgentGeneration` (hybridflow/trainer/generation/batch.py) calls `AgentRollout.generate(batch)` where the batch
+mode calls `generate_sequences`; what comes back has the same keys and shapes (hybridflow/rollout/base.py), with
+`response_mask` 0 on tool tokens, so every stage after `gen` (reward, old_log_prob, ref, values, adv, updates) runs
+unchanged: one trainer.
 
 Each prompt row i is sampled n times; trajectory (i, j) gets its own seed from (rollout.seed, step, i, j), so
 its draws do not depend on what else is in flight, and its route key is the row's uid, so the n samples of a
@@ -12,11 +13,13 @@ prompt share one replica and its prefix cache. The loops run as asyncio tasks on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import numpy as np
 
+from hybridflow.agent.loop import stable_seed
 from hybridflow.config.server_mode_checks import turn_budget
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.server import RolloutServer
@@ -26,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def trajectory_seed(seed: int, step: int, row: int, sample: int, validation: bool) -> int:
-    """Only ints are hashed (a str hash differs per process); validation draws from a stream of its own."""
-    return hash((seed, step, row, sample, 1 if validation else 0)) % (2**31)
+    """From (rollout.seed, step, row, sample) as every seed of the agent loops is made; validation draws from a
+    stream of its own."""
+    return stable_seed(seed, step, row, sample, 1 if validation else 0)
 
 
 def prompt_ids_of(batch: DataProto) -> list[list[int]]:
@@ -41,6 +45,7 @@ class AgentRollout:
         self.cfg = cfg
         self.rollout_cfg = r = cfg.actor_rollout_ref.rollout
         self.tokenizer = tokenizer
+        self.group = group
         self.server = RolloutServer(group, group.world_size // r.tensor_model_parallel_size,
                                     max_steps_per_tick=r.agent.max_steps_per_tick,
                                     request_timeout_s=r.agent.request_timeout_s)
@@ -85,6 +90,23 @@ class AgentRollout:
         return asyncio.run(self._generate(batch))
 
     attached_loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.contextmanager
+    def attached(self, loop: asyncio.AbstractEventLoop):
+        """While fully_async's producer keeps the server running on `loop`, every batch (validation's too) runs
+        there, through the same server."""
+        self.attached_loop = loop
+        try:
+            yield
+        finally:
+            self.attached_loop = None
+
+    def busy_s(self) -> float:
+        """The server's busy time so far (its ticks), summed over the run."""
+        return self.server.stats["tick_s"]
+
+    def server_metrics(self) -> dict[str, float]:
+        return self.server.metrics()
 
     def samples_of(self, batch: DataProto) -> list[dict]:
         """One sample per (row, j): the row's fields, its unpadded prompt, its seed and its route key."""

@@ -1,4 +1,4 @@
-"""fully_async (#25): the rollout pool produces continuously while the trainer trains; one producer thread.
+"""fully_async: the rollout pool produces continuously while the trainer trains; one producer thread.
 
 The producer runs an asyncio loop in a thread of the driver. It keeps the rollout server (hybridflow/rollout/
 server.py) running on the rollout pool for the whole run, draws the prompt batches of steps k = start+1, start+2,
@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 
+from hybridflow.agent.loop import run_many
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.server_api import RequestInterrupted
 
@@ -150,9 +151,8 @@ class AsyncProducer:
         self._admit, self._stop = asyncio.Condition(), asyncio.Event()
         self._failed: asyncio.Future = self._loop.create_future()
         self._batches: set[asyncio.Task] = set()
-        self.ar.attached_loop = self._loop  # validation's batches run on this loop, through the same server
         slots = asyncio.Semaphore(self.ar.rollout_cfg.agent.max_concurrent_trajectories)
-        try:
+        with self.ar.attached(self._loop):  # validation's batches run on this loop, through the same server
             async with self.ar.server.running(weight_version=self.version):
                 self._started.set()
                 producing = asyncio.create_task(self._guard(self._produce(slots)))
@@ -161,8 +161,6 @@ class AsyncProducer:
                 for t in (producing, stopping, *self._batches):
                     t.cancel()
                 await asyncio.gather(producing, *self._batches, return_exceptions=True)
-        finally:
-            self.ar.attached_loop = None
         if self._failed.done():
             raise self._failed.result()
 
@@ -200,27 +198,18 @@ class AsyncProducer:
             task.add_done_callback(self._batches.discard)
 
     async def _batch(self, k: int, batch: DataProto, slots: asyncio.Semaphore) -> None:
-        loop = self.ar.loop_for(batch)
         samples = self.ar.samples_of(batch)
-        n = len(samples) // len(batch)
         restarts = [0]
+
+        def restarted() -> None:  # partial_rollout=false: sampled again, whole, by the new weights
+            restarts[0] += 1
+
         t = time.perf_counter()
-
-        async def one(sample: dict):
-            while True:
-                async with slots:
-                    try:
-                        return await asyncio.wait_for(loop.run(sample, self.ar.server, self.ar.tools),
-                                                      timeout=self.timeout_s)
-                    except RequestInterrupted:  # partial_rollout=false: sampled again, whole, by the new weights
-                        restarts[0] += 1
-
-        async def group(i: int):
-            await self._wait_admitted(k, i)
-            return await asyncio.gather(*(one(s) for s in samples[i * n:(i + 1) * n]))
-
-        groups = await asyncio.gather(*(group(i) for i in range(len(batch))))
-        trajectories = [tr for g in groups for tr in g]
+        trajectories = await run_many(self.ar.loop_for(batch), samples, self.ar.server, self.ar.tools,
+                                      timeout_s=self.timeout_s, slots=slots,
+                                      admit=lambda group: self._wait_admitted(k, group),
+                                      group_size=len(samples) // len(batch), sample_again_on=(RequestInterrupted,),
+                                      on_sample_again=restarted)
         out, metrics = self.ar.assemble(batch, trajectories, {"rollout/gen_s_per_batch": time.perf_counter() - t})
         metrics["rollout/interrupted_dropped"] = float(restarts[0])
         if "rollout/weight_version_min" in metrics:  # how many versions behind batch k's own its tokens are

@@ -36,6 +36,7 @@ from hybridflow.trainer import metrics as M
 from hybridflow.trainer import remax as R
 from hybridflow.trainer import validation as V
 from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.generation import make_generation
 from hybridflow.trainer.peak_flops import device_peak_flops
 from hybridflow.trainer.rollout_dump import rollout_records
 from hybridflow.trainer.stages import stage, timer
@@ -106,19 +107,12 @@ class RayPPOTrainer:
         self.last_val_step: int | None = None  # the step whose policy was last validated (kept in checkpoints)
         self.global_step = 0
         self.n_params = None
-        self.rollout_group = rollout
-        self.gen_group = rollout if rollout is not None else actor_rollout_ref  # where generate_sequences runs
-        self.one_step = cfg.async_training.mode == "one_step_off_policy"
-        self.producer = None  # fully_async: the rollout pool's producer thread (hybridflow/trainer/async_producer.py)
-        self._prefetched = None  # one_step_off_policy: (batch, its generation in flight, sampler state before it)
-        self.weight_version = 0  # of the weights on the rollout pool: the step they serve in the synchronous loop
-        self.agent_rollout = None  # server mode (rollout.mode=async): gen through agent loops, same stages after
+        # The gen stage and the weights' way to the rollout: one type per generation mode, picked from the config
+        # (colocated or on a rollout pool; batch or agent loops; synchronous, one step ahead or fully async).
+        self.generation = make_generation(cfg, actor_rollout_ref, rollout, tokenizer, sampler, self.next_batch,
+                                          self.total_steps())
         R.validate_remax(cfg)  # ReMax: its greedy baseline needs the synchronous batch generation
         self.remax = R.uses_remax(cfg)
-        if cfg.actor_rollout_ref.rollout.mode == "async":
-            from hybridflow.trainer.agent_rollout import AgentRollout
-
-            self.agent_rollout = AgentRollout(cfg, self.gen_group, tokenizer)
         from hybridflow.trainer.timeline import StepTimeline
 
         groups = [actor_rollout_ref, critic, ref, reward_model]
@@ -200,7 +194,7 @@ class RayPPOTrainer:
 
     def add_reward_baselines(self, prompts: DataProto, batch: DataProto) -> None:
         """ReMax: the rollout `batch`'s `reward_baselines`, its prompts' greedy scores (hybridflow/trainer/remax.py)."""
-        greedy = R.generate_baseline(self.gen_group, prompts, lambda b: self.score(b)[0])
+        greedy = R.generate_baseline(self.generation.group, prompts, lambda b: self.score(b)[0])
         batch.batch["reward_baselines"] = R.per_sample_baselines(greedy, batch.non_tensor_batch["uid"])
         if self.cfg.trainer.rollout_data_dir:
             self.dump_samples(greedy, self.cfg.trainer.rollout_data_dir, stem=R.BASELINE_STEM)
@@ -213,106 +207,17 @@ class RayPPOTrainer:
         from 1), the critic at every step; critic_warmup=N thus trains only the critic for the first N-1 steps."""
         return self.cfg.trainer.critic_warmup <= self.global_step
 
-    def generate(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
-        """The gen stage: one generate over the batch (rollout.mode=sync), or agent loops over the rollout server
-        (async); either way the verl-shaped rollout batch (hybridflow/rollout/base.py) and gen's metrics.
-        one_step_off_policy: the generation launched during the previous step, and the next one launched now."""
-        if self.agent_rollout is not None:
-            return self.agent_rollout.generate(batch)
-        gen = self.gen_group.generate_sequences(batch)
-        return gen, M.reduce_worker_metrics(gen.meta_info.pop("metrics", {}))
-
-    def sync_rollout_weights(self) -> dict[str, float]:
-        """The actor's current weights to the rollout pool, shard to shard (both groups at once); they then serve
-        step global_step + 1. fully_async: between two ticks of the producer's server, which interrupts what is in
-        flight (continued or sampled again, async_training.partial_rollout)."""
-        version = self.global_step + 1
-        if self.producer is None:
-            metrics = self._transfer_weights(version)
-        else:
-            record = self.producer.update_weights(lambda: self._transfer_weights(version), version)
-            metrics = record["transfer"]
-            metrics["weight_sync/interrupt_s"] = record["interrupt_s"]
-            metrics["weight_sync/interrupted_requests"] = record["interrupted"]
-        self.weight_version = version
-        return metrics
-
-    def _transfer_weights(self, version: int) -> dict[str, float]:
-        sending = self.arr.send_weights.remote()
-        receiving = self.rollout_group.receive_weights.remote(version)
-        sent, received = sending.get(), receiving.get()
-        metrics = M.reduce_worker_metrics(received)
-        metrics.update(M.reduce_worker_metrics(sent))
-        return metrics
-
-    def start_producer(self) -> None:
-        """fully_async: the producer thread, from the step after the current one, with the rollout's weights."""
-        from hybridflow.trainer.async_producer import AsyncProducer
-
-        a = self.cfg.async_training
-        self.producer = AsyncProducer(self.next_batch, self.sampler, self.agent_rollout,
-                                      first_step=self.global_step + 1, last_step=self.total_steps(),
-                                      version=self.weight_version, staleness=float(a.staleness_threshold),
-                                      partial_rollout=bool(a.partial_rollout),
-                                      batch_groups=self.cfg.data.train_batch_size)
-        self.producer.start()
-        self._rollout_tick_s = 0.0
-
-    def stop_producer(self) -> None:
-        if self.producer is not None:
-            self.producer.close()
-            self.producer = None
-
-    def _take_produced(self) -> tuple[DataProto, dict[str, float]]:
-        """fully_async's gen: batch global_step from the producer, with the rollout pool's busy time since the
-        last step (its ticks ran while this thread trained)."""
-        batch, metrics = self.producer.take(self.global_step)
-        tick_s = self.agent_rollout.server.stats["tick_s"]
-        metrics["rollout/gen_s_per_replica"] = tick_s - self._rollout_tick_s
-        self._rollout_tick_s = tick_s
-        metrics.update(self.agent_rollout.server.metrics())
-        return batch, metrics
-
-    def _launch_generation(self, step: int) -> None:
-        """one_step_off_policy: draw step's prompts and start their generation on the rollout pool without waiting
-        (it runs while the current step trains). The sampler's state before the draw is kept for checkpoints: a
-        checkpoint of step k must not skip the prompts of k+1 that were drawn but not trained."""
-        state = self.sampler.state_dict()
-        batch = self.next_batch(step)
-        batch.meta_info["global_step"] = step
-        self._prefetched = (batch, self.gen_group.generate_sequences.remote(batch), state)
-
-    def _take_generation(self) -> tuple[DataProto, DataProto]:
-        batch, pending, _ = self._prefetched
-        self._prefetched = None
-        return batch, pending.get()
-
     def step(self) -> dict:
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
         t_step = time.perf_counter()
-        if self.one_step:
-            if self._prefetched is None:  # the first step (or the first after a resume): nothing in flight yet
-                self._launch_generation(self.global_step)
-            with timer("gen", timings):  # only the wait for what ran during the previous step
-                _, gen = self._take_generation()
-            metrics.update(M.reduce_worker_metrics(gen.meta_info.pop("metrics", {})))
-            if self.global_step < self.total_steps():
-                self._launch_generation(self.global_step + 1)  # overlaps everything below, on the rollout pool
-            batch = gen
-        elif self.producer is not None:
-            with timer("gen", timings):  # only the wait for what the producer has not finished yet
-                batch, gen_metrics = self._take_produced()
-            metrics.update(gen_metrics)
-        else:
-            prompts = self.next_batch()
-            prompts.meta_info["global_step"] = self.global_step
-            with timer("gen", timings):
-                batch, gen_metrics = self.generate(prompts)
-            metrics.update(gen_metrics)
-            if self.remax:
-                with timer("gen_baseline", timings):
-                    self.add_reward_baselines(prompts, batch)
+        with timer("gen", timings):
+            gen = self.generation.next(self.global_step)
+        batch = gen.batch
+        metrics.update(gen.metrics)
+        if self.remax:  # validate_remax admits only the modes that draw the step's prompts now (gen.prompts)
+            with timer("gen_baseline", timings):
+                self.add_reward_baselines(gen.prompts, batch)
         batch.meta_info["rollout_n"] = self.cfg.actor_rollout_ref.rollout.n  # mini-batches count prompts
         if self.rm is not None:
             with timer("rm", timings):
@@ -363,11 +268,7 @@ class RayPPOTrainer:
             with timer("update_actor", timings):
                 out = self.arr.update_actor(batch)
                 metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
-        sync_every = self.cfg.async_training.trigger_parameter_sync_step
-        if self.rollout_group is not None and self.global_step % sync_every == 0:
-            # one_step: waits for the next batch's generation to finish first; fully_async: interrupts it
-            with timer("weight_sync", timings):
-                metrics.update(self.sync_rollout_weights())
+        metrics.update(self.generation.after_update(self.global_step, timings))  # the mode's weight sync
         step_time = time.perf_counter() - t_step
         # forward-only stages report their padding share in meta_info (one key per stage, see the workers)
         metrics.update({k: float(v) for k, v in batch.meta_info.items() if k.startswith("perf/padding_fraction/")})
@@ -447,13 +348,7 @@ class RayPPOTrainer:
 
         tensors, objects = collate(rows, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length)
         meta = {"global_step": self.global_step, **V.sampling_meta(self.cfg.actor_rollout_ref.rollout.val_kwargs)}
-        if self.agent_rollout is not None:  # requests one by one: no padding to the group's size
-            out, _ = self.agent_rollout.generate(DataProto.from_dict(tensors, objects, meta))
-            return out
-        padded, pad = DataProto.from_dict(tensors, objects, meta).pad_to_divisor(self.gen_group.world_size)
-        out = self.gen_group.generate_sequences(padded)
-        out.meta_info.pop("metrics", None)  # the reshard/gen timings describe training rollouts
-        return out.unpad(pad * meta["n"])
+        return self.generation.generate_validation(DataProto.from_dict(tensors, objects, meta))
 
     def score(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
         """token_level_scores for a batch outside the step (a val batch, ReMax's greedy one) on training's reward
@@ -483,16 +378,9 @@ class RayPPOTrainer:
             fault_point("ckpt_after_actor", self.global_step)
             if self.use_critic:
                 self.critic.save_checkpoint(str(staging / "critic"), {"global_step": self.global_step})
-        # one_step_off_policy: the next step's prompts are drawn already; the checkpoint keeps the sampler from before
-        # that draw, so a resume draws (and regenerates) them again: never skipped, never trained twice.
-        # fully_async: the same rule for every batch generated ahead (hybridflow/trainer/async_producer.py).
-        if self.producer is not None:
-            sampler_state = self.producer.sampler_state_before(self.global_step + 1)
-        elif self._prefetched is not None:
-            sampler_state = self._prefetched[2]
-        else:
-            sampler_state = self.sampler.state_dict()
-        state = {"global_step": self.global_step, "sampler": sampler_state,
+        # The sampler as it was before any prompts drawn ahead of their step (one_step_off_policy, fully_async): a
+        # resume draws and generates them again, never skipped, never trained twice.
+        state = {"global_step": self.global_step, **self.generation.state(self.global_step),
                  "kl_coef": float(self.kl_ctrl.value), "torch_rng": torch.get_rng_state().tolist(),
                  "last_val_step": self.last_val_step}
         self.last_saved = self.ckpt.commit(self.global_step, staging, state)
@@ -533,12 +421,7 @@ class RayPPOTrainer:
         total = self.total_steps()
         with stage("resume"):
             self.maybe_resume()
-        if self.rollout_group is not None:  # the rollout pool starts from the model path: give it the actor's weights
-            with stage("weight_sync"):
-                m = self.sync_rollout_weights()
-            log.info("weights to the rollout pool: %.3f s, %.0f bytes per rollout rank (planned %.0f)",
-                     m["weight_sync/recv_s"], m["weight_sync/bytes_recv_per_rank"],
-                     m["weight_sync/expected_bytes_per_rank"])
+        self.generation.prepare(self.global_step)  # a rollout pool starts from the model path: the actor's weights
         # Steps after the checkpoint were done by a run that died; they are redone, so their trace goes
         # (as their metrics rows do, in Tracking).
         prepare_jsonl(self.run_dir / "data_trace.jsonl", self.global_step)
@@ -560,8 +443,6 @@ class RayPPOTrainer:
                 tracker.log(m, self.global_step, advance=False)  # not a training step: the bar stays
                 tracker.log_generations(self.val_generations, self.global_step)
                 history.append({"step": self.global_step, **m})
-            if self.cfg.async_training.mode == "fully_async" and self.global_step < total:
-                self.start_producer()
             while self.global_step < total:
                 self.global_step += 1
                 with self.timeline.record(self.global_step):
@@ -577,7 +458,7 @@ class RayPPOTrainer:
                 if sf > 0 and (self.global_step % sf == 0 or self.global_step == total):
                     self.save()
         finally:
-            self.stop_producer()
+            self.generation.close()
             tracker.finish()
         return history
 

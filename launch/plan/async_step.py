@@ -9,10 +9,10 @@ bytes; step_time.py feeds them the planner's stage times.
   M/(t*p) slice, so the busiest training rank sends that once per replica it serves. The slower of the two, over the
   link between the pools, every `async_training.trigger_parameter_sync_step` steps (amortised per step).
 - sync mode: gen + train + sync. one_step_off_policy: max(gen, train) + sync. The sync is not overlapped with
-  anything: RayPPOTrainer.sync_rollout_weights waits for both the send and the receive, and the receive queues on
-  the rollout workers behind the next batch's generation (started before the training stages), so it starts only
-  when both generation and training are done, and the next step starts only after it (the trainer's
-  `send(wait=False)` exists, but the step does not use it).
+  anything: PoolWeights.transfer (hybridflow/trainer/generation/weights.py) waits for both the send and the
+  receive, and the receive queues on the rollout workers behind the next batch's generation (started before the
+  training stages), so it starts only when both generation and training are done, and the next step starts only
+  after it (the trainer's `send(wait=False)` exists, but the step does not use it).
 - Idle fractions count the sync as busy on both pools (one sends, the other receives), as
   launch/benchmark/async_ablation.py's row_metrics does with weight_sync/send_s and recv_s.
 - fully_async with staleness eta (hybridflow/trainer/async_producer.py): after the sync that ends step k, the
