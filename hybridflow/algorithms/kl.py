@@ -16,12 +16,13 @@ it needs full-vocabulary log-probs, so it is rejected here with a clear error.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
 from hybridflow.algorithms.choices import require_choice
 from hybridflow.algorithms.masked import masked_mean, require_same_shape
-from hybridflow.config.schema import KLCtrlConfig
 
 # verl's names (verl/trainer/ppo/core_algos.py, kl_penalty / kl_penalty_forward).
 _KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -97,7 +98,16 @@ class AdaptiveKLController:
 KLController = FixedKLController | AdaptiveKLController
 
 
-def make_kl_controller(cfg: KLCtrlConfig) -> KLController:
+class KLCtrlSettings(Protocol):
+    """algorithm.kl_ctrl's fields (hybridflow/config/schema.py KLCtrlConfig); the algorithms know no config."""
+
+    type: str
+    kl_coef: float
+    target_kl: float
+    horizon: int
+
+
+def make_kl_controller(cfg: KLCtrlSettings) -> KLController:
     if cfg.type == "fixed":
         return FixedKLController(cfg.kl_coef)
     if cfg.type == "adaptive":
