@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -50,10 +51,19 @@ def mapped(names: set[str], shm_dir: Path = SHM_DIR, proc: Path = Path("/proc"))
     return found
 
 
-def leftovers(before: set[str], shm_dir: Path = SHM_DIR) -> set[str]:
-    """Segments that appeared since `before` and that no live process maps any more: left behind."""
+def leftovers(before: set[str], shm_dir: Path = SHM_DIR, settle_s: float = 0.5) -> set[str]:
+    """Segments that appeared since `before` and that no live process maps any more: left behind.
+
+    A name seen in the moment its owner unlinks it (the other xdist worker's engine, unlinking once every rank has
+    mapped it) is still listed but mapped only as "<path> (deleted)"; so a suspect is looked at again after
+    `settle_s`, and only one that still exists, unmapped, counts."""
     new = segment_names(shm_dir) - before
-    return new - mapped(new, shm_dir)
+    suspects = new - mapped(new, shm_dir)
+    if not suspects:
+        return set()
+    time.sleep(settle_s)
+    still = suspects & segment_names(shm_dir)
+    return still - mapped(still, shm_dir)
 
 
 def remove(names: set[str], shm_dir: Path = SHM_DIR) -> None:

@@ -32,6 +32,23 @@ def test_a_mapped_segment_is_in_use_and_an_unmapped_one_is_left_over(tmp_path):
     assert shm_watch.segment_names(tmp_path) == set()
 
 
+def test_a_segment_its_owner_unlinks_meanwhile_is_not_a_leftover(tmp_path):
+    """The other xdist worker's engine unlinks its names once every rank has mapped them: seen in that moment, a name
+    is listed but mapped only as "(deleted)". It must not be blamed on this test, nor removed under the engine."""
+    import threading
+
+    transient, stuck = "hybridflow-going-tp:0-[0-1]-cpushm_0", "hybridflow-stuck-tp:0-[0-1]-cpushm_0"
+    before = shm_watch.segment_names(tmp_path)
+    for name in (transient, stuck):
+        (tmp_path / name).write_bytes(b"")
+    owner = threading.Timer(0.05, (tmp_path / transient).unlink)
+    owner.start()
+    try:
+        assert shm_watch.leftovers(before, tmp_path, settle_s=0.5) == {stuck}
+    finally:
+        owner.cancel()
+
+
 def test_the_test_that_leaves_a_segment_fails_by_name(pytester):
     name = f"hybridflow-selftest{uuid.uuid4().hex[:8]}-tp:0-[0-1]-cpushm_0"
     pytester.makeconftest("from shm_watch import _no_shm_segments_left, shm_before_session  # noqa: F401\n")
