@@ -8,7 +8,7 @@ on a store that never answers (seen in CI: a 2 + 2 process cross-pool test hung 
 
 So the ports come from just below the ephemeral range, at random, where nothing but an explicit bind lands: the
 only race left is with another caller of this module (two test processes picking the same one of ~12,000 ports).
-Where the range leaves no such room, the kernel picks (port 0), as before.
+Where the range leaves no such room, the kernel picks (port 0).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ How the patches stay narrow:
   `torch.cuda.current_device()` names the CPU, `device="cuda"` in tensor
   factories means the CPU and the CUDA RNG calls use the CPU generator. Every
   other attribute is the real torch, so `isinstance(x, torch.Tensor)` etc.
-  behave as before.
+  behave as with torch itself.
 - Tensor methods. The optimizer compares `tensor.type()` with
   'torch.cuda.FloatTensor', and the tied-embedding set-up calls
   `tensor.cuda()`. Only for the duration of those specific functions does

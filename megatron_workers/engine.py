@@ -15,7 +15,7 @@ runs with plain causal attention and positions 0..L-1, exactly what HF gets
 from position_ids = cumsum(attention_mask) - 1 (megatron's RoPE takes no
 position ids). Padding then sits after every valid token and is never
 attended to. Under PP with fixed micro-batches the whole batch is packed to
-one width instead (pipeline p2p of equal shapes, as before); with token-budget
+one width instead (pipeline p2p needs equal shapes); with token-budget
 micro-batches under PP, megatron's `variable_seq_lengths` sends each shape
 first. The closures see the packed output plus `packed_mask` / `pack_index`
 in the micro-batch, whose original tensors keep the batch's full width;

@@ -1,4 +1,4 @@
-"""RolloutWorker: vLLM on a pool of its own (trainer.role_pools.rollout), for asynchronous RL (#25).
+"""RolloutWorker: vLLM on a pool of its own (trainer.role_pools.rollout), for asynchronous RL.
 
 No Megatron model here: the weights come from the training pool over the cross-pool sync group
 (hybridflow/resharding/cross_pool.py), each rank receiving exactly its vLLM tensor-parallel shard. The rollout

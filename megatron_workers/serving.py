@@ -45,7 +45,7 @@ class ServingRole:
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def interrupt_serving(self) -> list[dict]:
         """Aborts every request in flight and returns what each sampled so far with the current weights (tagged
-        with their version): a weight update in the middle of serving (fully_async, #25). Every TP rank of a
+        with their version): a weight update in the middle of serving (fully_async). Every TP rank of a
         replica returns the same list."""
         partial = self.rollout.interrupt()
         for d in partial:

@@ -92,3 +92,33 @@ def test_vllm_builds_the_planned_groups():
     control = next(x for x in lines if "control_unpatched_mismatch_detected_on_ranks" in x)
     assert control["vllm_consecutive_groups"] == [[0, 1], [2, 3]]
     assert all(control["control_unpatched_mismatch_detected_on_ranks"])
+
+
+def test_a_bounded_wait_names_what_failed_or_timed_out():
+    """hybridflow/resharding/waits.py, the reshard's and the cross-pool sync's one wait: gloo raises on a timeout or a
+    dead peer, NCCL's wait returns False; both become the caller's error naming the transfer and the limit."""
+    import datetime
+
+    from hybridflow.resharding.waits import wait_or_raise
+
+    class Work:
+        def __init__(self, outcome):
+            self.outcome, self.timeout = outcome, None
+
+        def wait(self, timeout):
+            self.timeout = timeout
+            if isinstance(self.outcome, Exception):
+                raise self.outcome
+            return self.outcome
+
+    class TransferError(RuntimeError):
+        pass
+
+    limit = datetime.timedelta(seconds=30)
+    done = Work(True)
+    wait_or_raise(done, limit, TransferError, "bucket 1")
+    assert done.timeout == limit
+    with pytest.raises(TransferError, match=r"^bucket 1 failed or timed out after 30 s: peer 3 closed$"):
+        wait_or_raise(Work(RuntimeError("peer 3 closed")), limit, TransferError, "bucket 1")
+    with pytest.raises(TransferError, match=r"^bucket 2 timed out after 30 s$"):
+        wait_or_raise(Work(False), limit, TransferError, "bucket 2")

@@ -10,7 +10,7 @@ Decoupled mode (bypass_mode=false; AReaL's decoupled PPO objective), with rollou
   sequence: w_t = min(exp(sum_{s valid} (old_s - behav_s)), C)   the same for every token of the row
   loss_t    = w_t * ppo_t(new, old)      ppo_t: the clipped (dual-clip) surrogate of policy_loss.py, whose
                                          ratio new/old is clipped around the proximal policy, not the behaviour
-then aggregated by loss_agg_mode as before. C = rollout_is_threshold; w is data (detached), 0 at masked
+then aggregated by loss_agg_mode, as the plain loss is. C = rollout_is_threshold; w is data (detached), 0 at masked
 tokens; the log-ratio is clamped to [-20, 20] before exp (verl's safety bound). The pass that computes `old`
 always runs in this mode (it is the proximal anchor), even where a single on-policy update would skip it.
 (AReaL's own cap, behav_imp_weight_cap, drops tokens above it from the loss; verl's TIS, followed here,

@@ -1,4 +1,4 @@
-"""Checks of async_training.* and the rollout pool (asynchronous RL, #25), run by preflight before Ray starts;
+"""Checks of async_training.* and the rollout pool (asynchronous RL), run by preflight before Ray starts;
 each error names its key."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weights from the training pool to a separate rollout pool, shard to shard (asynchronous RL, #25).
+"""Weights from the training pool to a separate rollout pool, shard to shard (asynchronous RL).
 
 The colocated 3D-HybridEngine (planner.py, engine.py) reshards inside one world where every rank is
 both a trainer and a rollout rank. For async RL the rollout runs on processes of its own, so the
@@ -58,6 +58,7 @@ from hybridflow.resharding.cross_pool_plan import (
 )
 from hybridflow.resharding.intervals import local_offset
 from hybridflow.resharding.planner import ParamSpec
+from hybridflow.resharding.waits import wait_or_raise
 
 BANDWIDTH_TAG = 1 << 30  # message tags of measure_bandwidth; plan messages are numbered from 0
 
@@ -86,14 +87,7 @@ class SyncGroup:
 
     def wait(self, work, what: str, timeout_s: float | None = None) -> None:
         timeout = _timedelta(self.timeout_s if timeout_s is None else timeout_s)
-        try:
-            ok = work.wait(timeout)
-        except RuntimeError as e:
-            raise CrossPoolError(f"sync rank {self.rank}/{self.size}: {what} failed or timed out after "
-                                 f"{timeout.total_seconds():.0f} s: {e}") from e
-        if ok is False:
-            raise CrossPoolError(f"sync rank {self.rank}/{self.size}: {what} timed out after "
-                                 f"{timeout.total_seconds():.0f} s")
+        wait_or_raise(work, timeout, CrossPoolError, f"sync rank {self.rank}/{self.size}: {what}")
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int):
         return self.pg.send([tensor], dst, tag)

@@ -1,4 +1,4 @@
-"""The cross-pool weight-sync plan (asynchronous RL, #25): which training rank sends which rows of which parameter
+"""The cross-pool weight-sync plan (asynchronous RL): which training rank sends which rows of which parameter
 to which rollout rank, in which bucket. Pure: no torch.distributed; cross_pool.py carries it out.
 
 The plan (`plan_cross_pool`, pure) - for every rollout rank r and parameter:
@@ -28,7 +28,7 @@ import torch
 
 from hybridflow.parallel.dims import GenerationDims, LayoutError, ModelShape, ParallelDims
 from hybridflow.resharding.intervals import Intervals, intersect, total_length
-from hybridflow.resharding.planner import ParamSpec
+from hybridflow.resharding.planner import ParamSpec, spec_named
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -115,12 +115,7 @@ class CrossPoolPlan:
         return self._cache["placements"]
 
     def spec(self, name: str) -> ParamSpec:
-        if "specs" not in self._cache:
-            self._cache["specs"] = {s.name: s for s in self.specs}
-        try:
-            return self._cache["specs"][name]
-        except KeyError:
-            raise KeyError(f"parameter {name!r} is not in the cross-pool plan") from None
+        return spec_named(self._cache, self.specs, name, "the cross-pool plan")
 
     def needs(self, rollout_rank: int, spec: ParamSpec) -> Intervals:
         """Rows of `spec` in rollout rank `rollout_rank`'s vLLM shard."""

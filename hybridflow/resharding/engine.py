@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from hybridflow.resharding.intervals import intersect, local_offset, total_length
 from hybridflow.resharding.planner import ParamSpec, ReshardPlan, Transfer
+from hybridflow.resharding.waits import wait_or_raise
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -221,14 +222,8 @@ class ReshardEngine:
         if ops:
             works = dist.batch_isend_irecv(ops)
             for i, work in enumerate(works):
-                try:
-                    ok = work.wait(self.timeout)
-                except RuntimeError as e:
-                    raise ReshardError(f"rank {me}: message {i + 1}/{len(works)} of bucket {st.num_buckets} "
-                                       f"({[s.name for s in bucket][:3]}...) failed or timed out: {e}") from e
-                if ok is False:
-                    raise ReshardError(f"rank {me}: message {i + 1}/{len(works)} of bucket {st.num_buckets} "
-                                       f"timed out after {self.timeout}")
+                wait_or_raise(work, self.timeout, ReshardError, f"rank {me}: message {i + 1}/{len(works)} of bucket "
+                              f"{st.num_buckets} ({[s.name for s in bucket][:3]}...)")
             st.num_messages += len(ops)
         for buf, view in unstage:
             view.copy_(buf)

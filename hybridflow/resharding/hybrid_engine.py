@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.parallel.dims import GenerationDims, LayoutError, ModelShape, ParallelDims
+from hybridflow.resharding.cross_pool import megatron_named_params
 from hybridflow.resharding.engine import DEFAULT_BUCKET_BYTES, ReshardEngine
 from hybridflow.resharding.megatron_specs import gather_param_specs, param_specs
 from hybridflow.resharding.planner import plan_resharding
@@ -49,7 +50,6 @@ class HybridEngine:
         # With VPP a stage holds several non-contiguous layer ranges (one per chunk); the plan is per
         # parameter and its global name, so the chunks simply contribute all their parameters.
         self._chunks = chunks
-        self._tied = bool(getattr(hf_mapping.unwrap(chunks[0]), "share_embeddings_and_output_weights", False))
         facts = read_hf_facts(hf_config)
         ep_rank = dims.expert_coords(self.rank)["ep"]
         named = self._named_params()
@@ -104,11 +104,7 @@ class HybridEngine:
                                       f"EP rank {e // per_rank} ({facts.num_experts} experts / ep={self.dims.ep})")
 
     def _named_params(self) -> list[tuple[str, torch.Tensor]]:
-        from megatron_workers import hf_mapping
-
-        # The output layer of a tied model is the embedding (HF and vLLM keep one matrix).
-        return [(n, p) for chunk in self._chunks for n, p in hf_mapping.global_named_parameters(chunk)
-                if not (self._tied and n == "output_layer.weight")]
+        return megatron_named_params(self._chunks)  # a tied output layer is the embedding: HF and vLLM keep one
 
     def group_order(self):
         """Context manager to create the vLLM engine in: its TP groups become the plan's."""

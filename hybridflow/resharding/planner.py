@@ -150,6 +150,16 @@ class ParamSpec:
                               f"{self.gen_pad_multiple} = {padded} is not divisible by rollout tp={gen.tp}")
 
 
+def spec_named(cache: dict, specs, name: str, plan: str) -> ParamSpec:
+    """A plan's ParamSpec by parameter name (the name index built once into the plan's `cache`)."""
+    if "specs" not in cache:
+        cache["specs"] = {s.name: s for s in specs}
+    try:
+        return cache["specs"][name]
+    except KeyError:
+        raise KeyError(f"parameter {name!r} is not in {plan}") from None
+
+
 @dataclass(frozen=True)
 class RankPlacement:
     """One world rank in both layouts."""
@@ -210,12 +220,7 @@ class ReshardPlan:
         return all(list(g) == sorted(g) for g in self.gen_tp_groups)
 
     def spec(self, name: str) -> ParamSpec:
-        if "specs" not in self._cache:
-            self._cache["specs"] = {s.name: s for s in self.specs}
-        try:
-            return self._cache["specs"][name]
-        except KeyError:
-            raise KeyError(f"parameter {name!r} is not in the resharding plan") from None
+        return spec_named(self._cache, self.specs, name, "the resharding plan")
 
     def holds(self, rank: int, spec: ParamSpec) -> Intervals:
         """Rows of `spec` in `rank`'s training shard; () if the parameter lives on another stage or EP rank."""

@@ -14,8 +14,8 @@ to, so each turn of a trajectory finds its prefix in that replica's KV cache; a 
 with the fewest requests in flight (ties: the lowest index), which keeps replicas even.
 
 Weights: colocated, they do not change while the server runs: `begin` reshards them once (the 3D-HybridEngine)
-and tags every output with that version; `end` releases the engine. On a rollout pool of its own (fully_async,
-#25) `update_weights` changes them between two ticks: it pauses the ticker, interrupts what is in flight
+and tags every output with that version; `end` releases the engine. On a rollout pool of its own (fully_async)
+`update_weights` changes them between two ticks: it pauses the ticker, interrupts what is in flight
 (`interrupt_serving`), runs the weight transfer, and resumes. With partial rollouts an interrupted request is
 continued under the new weights from the tokens it has (prompt + those tokens, the rest of its max_tokens) and
 its caller gets the whole, with each token's version; without, its caller gets RequestInterrupted and the tokens

@@ -310,7 +310,7 @@ class VLLMRollout(Rollout):
         next step's collective.
 
         Outputs come as deltas and are gathered here per request, so that `interrupt` can hand back what a
-        request has sampled so far (partial rollouts at a weight update, #25)."""
+        request has sampled so far (partial rollouts at a weight update)."""
         from vllm.inputs import TokensPrompt
 
         if self._released:

@@ -43,12 +43,12 @@ def make_pools(cfg: HybridFlowConfig, roles: list[str], place=None, reserved: di
     reserved by someone else that the pool uses instead (a sweep trial's; launch/sweep/resources.py).
     """
     from hybridflow.controller import ResourcePool
-    from hybridflow.trainer import placement as P
+    from hybridflow.trainer import placement
 
     if place is None:
         try:
-            place = P.resolve(cfg.trainer, roles)
-        except P.PlacementError as e:
+            place = placement.resolve(cfg.trainer, roles)
+        except placement.PlacementError as e:
             raise ValueError(str(e)) from None
     groups = lambda pool: [r for r in place.roles_on(pool) if not (r == "ref" and place.shares_actor_pool("ref"))]
     pools = {name: ResourcePool(name, list(procs), max_colocate=max(1, len(groups(name))),
@@ -73,9 +73,9 @@ def build_groups(cfg: HybridFlowConfig, place=None, teardown=None, reserved: dic
     place = place or placement_of(cfg)
     separate_ref = "ref" in place.role_pools and not place.shares_actor_pool("ref")
     split_rollout = "rollout" in place.role_pools  # vLLM on a pool of its own: the actor's processes hold none
-    actor_role = "actor_rollout_ref" if "ref" in place.role_pools and not separate_ref else "actor_rollout"
-    if split_rollout:
-        actor_role = actor_role.replace("_rollout", "")
+    # the actor's worker role names what its processes host: actor, actor_rollout, actor_ref or actor_rollout_ref
+    hosts_ref = "ref" in place.role_pools and not separate_ref
+    actor_role = "actor" + ("" if split_rollout else "_rollout") + ("_ref" if hosts_ref else "")
     specs = {"actor_rollout": (ActorRolloutRefWorker, (to_dict(a), actor_role), actor_role)}
     if split_rollout:
         from megatron_workers.rollout_worker import RolloutWorker

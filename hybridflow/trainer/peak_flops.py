@@ -84,10 +84,10 @@ def device_peak_flops(cfg) -> tuple[float, str]:
         return float(cfg.trainer.device_peak_flops), "config"
     import torch
 
-    from hybridflow.trainer import metrics as M
+    from hybridflow.trainer.metrics import known_peak_flops
 
     if torch.cuda.is_available():  # which peak was used is logged at start
-        return M.known_peak_flops(torch.cuda.get_device_name()) or (989e12, "unknown GPU, H100 dense bf16 assumed")
+        return known_peak_flops(torch.cuda.get_device_name()) or (989e12, "unknown GPU, H100 dense bf16 assumed")
     from hybridflow.precision import resolve
     from megatron_workers.hf_io import CheckpointError, read_hf_config
 

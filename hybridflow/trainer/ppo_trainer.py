@@ -32,11 +32,17 @@ from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.fault_inject import maybe_kill as fault_point
 from hybridflow.protocol import DataProto
 from hybridflow.rewards.overlong import shape_batch_scores
-from hybridflow.trainer import metrics as M
-from hybridflow.trainer import remax as R
-from hybridflow.trainer import validation as V
+from hybridflow.trainer import remax, validation
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.generation import make_generation
+from hybridflow.trainer.metrics import (
+    data_metrics,
+    reduce_worker_metrics,
+    throughput_metrics,
+    timing_metrics,
+    token_counts,
+    transformer_flops,
+)
 from hybridflow.trainer.peak_flops import device_peak_flops
 from hybridflow.trainer.rollout_dump import rollout_records
 from hybridflow.trainer.stages import stage, timer
@@ -92,7 +98,7 @@ class RayPPOTrainer:
         self.dataset = train_dataset
         self.sampler = sampler
         self.reward_fn = reward_fn
-        self.arr = actor_rollout_ref
+        self.actor_rollout = actor_rollout_ref
         self.critic = critic
         self.use_critic = critic is not None
         self.ref = ref if ref is not None else actor_rollout_ref
@@ -111,8 +117,8 @@ class RayPPOTrainer:
         # (colocated or on a rollout pool; batch or agent loops; synchronous, one step ahead or fully async).
         self.generation = make_generation(cfg, actor_rollout_ref, rollout, tokenizer, sampler, self.next_batch,
                                           self.total_steps())
-        R.validate_remax(cfg)  # ReMax: its greedy baseline needs the synchronous batch generation
-        self.remax = R.uses_remax(cfg)
+        remax.validate_remax(cfg)  # ReMax: its greedy baseline needs the synchronous batch generation
+        self.remax = remax.uses_remax(cfg)
         from hybridflow.trainer.timeline import StepTimeline
 
         groups = [actor_rollout_ref, critic, ref, reward_model]
@@ -194,10 +200,10 @@ class RayPPOTrainer:
 
     def add_reward_baselines(self, prompts: DataProto, batch: DataProto) -> None:
         """ReMax: the rollout `batch`'s `reward_baselines`, its prompts' greedy scores (hybridflow/trainer/remax.py)."""
-        greedy = R.generate_baseline(self.generation.group, prompts, lambda b: self.score(b)[0])
-        batch.batch["reward_baselines"] = R.per_sample_baselines(greedy, batch.non_tensor_batch["uid"])
+        greedy = remax.generate_baseline(self.generation.group, prompts, lambda b: self.score(b)[0])
+        batch.batch["reward_baselines"] = remax.per_sample_baselines(greedy, batch.non_tensor_batch["uid"])
         if self.cfg.trainer.rollout_data_dir:
-            self.dump_samples(greedy, self.cfg.trainer.rollout_data_dir, stem=R.BASELINE_STEM)
+            self.dump_samples(greedy, self.cfg.trainer.rollout_data_dir, stem=remax.BASELINE_STEM)
 
     def skip_old_log_prob(self) -> bool:
         return skips_old_log_prob(self.cfg)
@@ -235,7 +241,7 @@ class RayPPOTrainer:
         skip_old = self.skip_old_log_prob()
         if not skip_old:
             with timer("old_log_prob", timings):
-                old = self.arr.compute_log_prob(batch)
+                old = self.actor_rollout.compute_log_prob(batch)
                 batch.union(old.select(batch_keys=["old_log_probs"]))
                 metrics["actor/entropy_rollout"] = float(
                     (old.batch["entropys"] * batch.batch["response_mask"]).sum() / batch.batch["response_mask"].sum())
@@ -261,26 +267,26 @@ class RayPPOTrainer:
         if self.use_critic:
             with timer("update_critic", timings):
                 out = self.critic.update_critic(batch)
-                metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
+                metrics.update(reduce_worker_metrics(_metrics_of(out)))
         actor_updated = self.updates_actor()
         if actor_updated:
             batch.meta_info["loss_agg_mode"] = self.cfg.actor_rollout_ref.actor.loss_agg_mode  # the worker reads it
             with timer("update_actor", timings):
-                out = self.arr.update_actor(batch)
-                metrics.update(M.reduce_worker_metrics(_metrics_of(out)))
+                out = self.actor_rollout.update_actor(batch)
+                metrics.update(reduce_worker_metrics(_metrics_of(out)))
         metrics.update(self.generation.after_update(self.global_step, timings))  # the mode's weight sync
         step_time = time.perf_counter() - t_step
         # forward-only stages report their padding share in meta_info (one key per stage, see the workers)
         metrics.update({k: float(v) for k, v in batch.meta_info.items() if k.startswith("perf/padding_fraction/")})
-        n_prompt, n_resp = M.token_counts(batch)
-        metrics.update(M.data_metrics(batch, self.use_critic, rollout_vs_old=not skip_old))
+        n_prompt, n_resp = token_counts(batch)
+        metrics.update(data_metrics(batch, self.use_critic, rollout_vs_old=not skip_old))
         if skip_old and "actor/rollout_logprob_diff" in metrics:
             metrics["rollout/logprob_diff_mean"] = metrics.pop("actor/rollout_logprob_diff")
-        metrics.update(M.timing_metrics(timings, n_prompt, n_resp))
+        metrics.update(timing_metrics(timings, n_prompt, n_resp))
         # actor FLOPs: one forward per log-prob pass (old, ref) + 3 for the update (fwd + bwd)
         passes = (3 if actor_updated else 0) + (0 if skip_old else 1) + (1 if self.use_ref else 0)
-        flops = M.transformer_flops(self.n_params or 0, n_prompt + n_resp, passes) if self.n_params else None
-        metrics.update(M.throughput_metrics(n_prompt, n_resp, step_time, self.n_devices, flops, self.peak_flops))
+        flops = transformer_flops(self.n_params or 0, n_prompt + n_resp, passes) if self.n_params else None
+        metrics.update(throughput_metrics(n_prompt, n_resp, step_time, self.n_devices, flops, self.peak_flops))
         if "timing_s/reshard" in metrics:
             metrics["perf/transition_s"] = metrics["timing_s/reshard"]
         if "timing_s/gen_baseline" in metrics:  # ReMax's greedy generation, as verl names it too
@@ -318,7 +324,7 @@ class RayPPOTrainer:
             raise RuntimeError("validate() needs a val dataset: set data.val_files")
         t = time.perf_counter()
         sources, prompts, scores, calls, texts = [], [], [], [], []
-        for k, rows in enumerate(V.chunks(len(self.val_dataset), self.cfg.data.val_batch_size)):
+        for k, rows in enumerate(validation.chunks(len(self.val_dataset), self.cfg.data.val_batch_size)):
             batch = self.generate_validation([self.val_dataset[i] for i in rows])
             batch.batch["token_level_scores"], _ = self.score(batch)
             calls += [int(c) for c in batch.non_tensor_batch.get("tool_calls", [])]
@@ -326,11 +332,11 @@ class RayPPOTrainer:
             prompts += [int(i) for i in batch.non_tensor_batch["index"]]
             scores += batch.batch["token_level_scores"].sum(-1).tolist()
             if self.cfg.trainer.log_val_generations > 0:  # verl's: a few samples to the console and trackers
-                texts += zip(V.prompt_texts(batch, self.tokenizer), self.response_texts(batch))
+                texts += zip(validation.prompt_texts(batch, self.tokenizer), self.response_texts(batch))
             if self.cfg.trainer.validation_data_dir:
                 self.dump_samples(batch, self.cfg.trainer.validation_data_dir, append=k > 0)
-        metrics = V.validation_metrics(sources, prompts, scores)
-        self.val_generations = V.pick_generations([i for i, _ in texts], [o for _, o in texts], scores,
+        metrics = validation.validation_metrics(sources, prompts, scores)
+        self.val_generations = validation.pick_generations([i for i, _ in texts], [o for _, o in texts], scores,
                                                   self.cfg.trainer.log_val_generations)
         if calls:  # agent loops: how often the policy used a tool, and how many calls it made
             metrics["val-aux/tool/call_rate"] = sum(c > 0 for c in calls) / len(calls)
@@ -339,15 +345,13 @@ class RayPPOTrainer:
         return metrics
 
     def generate_validation(self, rows: list[dict]) -> DataProto:
-        """One generate call on the rollout group with the val sampling (meta_info overrides).
-
-        The batch is padded to a multiple of the group's size (DP dispatch splits it evenly; any val set
-        size works) and the pad rows, n samples each, are dropped from the output.
-        """
+        """The val rows generated with the val sampling (meta_info overrides) through this run's generation mode
+        (hybridflow/trainer/generation/batch.py: one call padded to the group's size, or request by request)."""
         from hybridflow.data.rl_dataset import collate
 
         tensors, objects = collate(rows, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length)
-        meta = {"global_step": self.global_step, **V.sampling_meta(self.cfg.actor_rollout_ref.rollout.val_kwargs)}
+        sampling = validation.sampling_meta(self.cfg.actor_rollout_ref.rollout.val_kwargs)
+        meta = {"global_step": self.global_step, **sampling}
         return self.generation.generate_validation(DataProto.from_dict(tensors, objects, meta))
 
     def score(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
@@ -366,7 +370,7 @@ class RayPPOTrainer:
         self.last_val_step = self.global_step
         from tqdm import tqdm
 
-        tqdm.write(V.summary_line(self.global_step, metrics, len(self.val_dataset),
+        tqdm.write(validation.summary_line(self.global_step, metrics, len(self.val_dataset),
                                   self.cfg.actor_rollout_ref.rollout.val_kwargs.n))
         return metrics
 
@@ -374,7 +378,7 @@ class RayPPOTrainer:
     def save(self) -> Path:
         staging = self.ckpt.staging_dir(self.global_step)
         with stage("save_checkpoint"):
-            self.arr.save_checkpoint(str(staging / "actor"), {"global_step": self.global_step})
+            self.actor_rollout.save_checkpoint(str(staging / "actor"), {"global_step": self.global_step})
             fault_point("ckpt_after_actor", self.global_step)
             if self.use_critic:
                 self.critic.save_checkpoint(str(staging / "critic"), {"global_step": self.global_step})
@@ -400,7 +404,7 @@ class RayPPOTrainer:
             if not (path / "COMPLETE").is_file():
                 raise FileNotFoundError(f"trainer.resume_mode={mode}: no complete checkpoint there")
         state = CheckpointManager.trainer_state(path)
-        self.arr.load_checkpoint(str(path / "actor"))
+        self.actor_rollout.load_checkpoint(str(path / "actor"))
         if self.use_critic:
             self.critic.load_checkpoint(str(path / "critic"))
         self.sampler.load_state_dict(state["sampler"])
@@ -437,7 +441,7 @@ class RayPPOTrainer:
         history = []
         validating = self.val_dataset is not None
         try:
-            if validating and V.validate_before_training(self.cfg.trainer.val_before_train, self.global_step,
+            if validating and validation.validate_before_training(self.cfg.trainer.val_before_train, self.global_step,
                                                          self.last_val_step):
                 m = self.run_validation()
                 tracker.log(m, self.global_step, advance=False)  # not a training step: the bar stays
@@ -447,7 +451,7 @@ class RayPPOTrainer:
                 self.global_step += 1
                 with self.timeline.record(self.global_step):
                     m = self.step()
-                if validating and V.should_validate(self.global_step, total, self.cfg.trainer.test_freq):
+                if validating and validation.should_validate(self.global_step, total, self.cfg.trainer.test_freq):
                     m.update(self.run_validation())  # logged with the step it validates, as verl does
                     tracker.log_generations(self.val_generations, self.global_step)
                 tracker.log(m, self.global_step)

@@ -135,13 +135,13 @@ def job_roles(cfg: HybridFlowConfig) -> list[str]:
 
 def placement_of(cfg: HybridFlowConfig):
     """The job's Placement (pools and role map); errors name the trainer key. Also what launch.plan plans."""
-    from hybridflow.trainer import placement as P
+    from hybridflow.trainer import placement
 
     if cfg.trainer.placement == "split" and not cfg.trainer.resource_pools:
-        log.warning("%s", P.MIGRATION)
+        log.warning("%s", placement.MIGRATION)
     try:
-        return P.resolve(cfg.trainer, job_roles(cfg))
-    except P.PlacementError as e:
+        return placement.resolve(cfg.trainer, job_roles(cfg))
+    except placement.PlacementError as e:
         raise ValueError(str(e)) from None
 
 
@@ -252,25 +252,25 @@ def validate(cfg: HybridFlowConfig) -> None:
 def _validate_precision(cfg: HybridFlowConfig) -> dict[str, str]:
     """Every role's dtype for the driver's device (trainer.device, or CUDA if the driver sees it), refused with
     the key named where this code or this CPU cannot run it (hybridflow.precision.check_roles); logged once."""
-    from hybridflow import precision as P
+    from hybridflow import precision
 
     device = cfg.trainer.device
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"trainer.device={device!r}; choose one of auto, cpu, cuda")
     if device == "auto":
-        device = P.local_device()
+        device = precision.local_device()
     roles = {"actor_rollout_ref.model.dtype": (cfg.actor_rollout_ref.model.dtype, True)}
     if cfg.critic.enable:
         roles["critic.model.dtype"] = (cfg.critic.model.dtype, True)
     if cfg.reward_model.enable:
         roles["reward_model.model.dtype"] = (cfg.reward_model.model.dtype, False)
-    resolved = P.check_roles(roles, device, force_slow_bf16=cfg.trainer.force_slow_bf16)
-    emulated = [k for k, d in resolved.items() if d == "bfloat16" and device == "cpu" and not P.cpu_bf16_flag()]
+    resolved = precision.check_roles(roles, device, force_slow_bf16=cfg.trainer.force_slow_bf16)
+    emulated = [k for k, d in resolved.items() if d == "bfloat16" and device == "cpu" and not precision.cpu_bf16_flag()]
     if emulated:
         log.warning("%s: bf16 on a CPU without native bf16 (trainer.force_slow_bf16=true): a bf16 matmul measured "
-                    "%.2fx the fp32 speed here", ", ".join(emulated), P.measured_bf16_slowdown())
+                    "%.2fx the fp32 speed here", ", ".join(emulated), precision.measured_bf16_slowdown())
     log.info("precision: %s", ", ".join(f"{k.removesuffix('.model.dtype')} "
-                                        f"{P.why(roles[k][0], device)}" for k in resolved))
+                                        f"{precision.why(roles[k][0], device)}" for k in resolved))
     return resolved
 
 

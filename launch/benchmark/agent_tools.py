@@ -98,7 +98,7 @@ def run(work_dir: Path) -> dict:
                                       add_special_tokens=False)["input_ids"], "seed": i, "uid": f"t{i}",
                     "route_key": f"t{i}"} for i, r in enumerate(rows)]
         sampling = TurnSampling(max_tokens=TURN_TOKENS)
-        server = RolloutServer(trainer.arr, trainer.arr.world_size)
+        server = RolloutServer(trainer.actor_rollout, trainer.actor_rollout.world_size)
 
         async def timed(call_tool: bool, concurrency: int):
             loop = loop_cls(tok, 64, sampling, call_tool)

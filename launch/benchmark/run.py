@@ -82,8 +82,8 @@ def layout(cfg, place) -> dict:
 
 def peak_memory(trainer) -> dict[str, dict]:
     """The largest per-rank peak of each worker group (bytes): resident set, and device memory on GPU."""
-    groups = {"actor_rollout" + ("_ref" if trainer.ref is trainer.arr else ""): trainer.arr,
-              "ref": None if trainer.ref is trainer.arr else trainer.ref, "critic": trainer.critic,
+    groups = {"actor_rollout" + ("_ref" if trainer.ref is trainer.actor_rollout else ""): trainer.actor_rollout,
+              "ref": None if trainer.ref is trainer.actor_rollout else trainer.ref, "critic": trainer.critic,
               "reward_model": trainer.rm}
     out = {}
     for name, group in groups.items():

@@ -1,4 +1,4 @@
-"""Asynchronous RL on split pools (docs/async.md, issue #25): one step when generation runs on a rollout pool of its
+"""Asynchronous RL on split pools (docs/async.md): one step when generation runs on a rollout pool of its
 own and the training stages on the actor's pool, with the weight sync between them. Pure functions of seconds and
 bytes; step_time.py feeds them the planner's stage times.
 

@@ -53,7 +53,7 @@ RECIPE_PUBLISHED = {"qwen2_7b_ppo_1node.yaml": "verl_ppo_qwen2_7b", "qwen2_7b_gr
 # max_num_seqs 1024 (v0.6.0 rollout.yaml).
 VERL_OPTIONS = Options(gpu="h100", recompute="full", packing="packed", max_num_seqs=1024, prompt_length_mean=105,
                        response_length_mean=250, response_length_p99=600, train_backend="fsdp")
-TARGET = 0.25  # issue #27: max |relative error| over the numeric cases
+TARGET = 0.25  # the planner's target: max |relative error| over the numeric cases
 # Why a source's cases can stay beyond TARGET (printed with the case when they do).
 BEYOND_TARGET = {
     "verl": "the figure comes without its setting (which example script: GSM8K alone or with MATH; the response "

@@ -11,7 +11,7 @@ Both return the verl-shaped rollout batch (hybridflow/rollout/base.py) and gen's
 from __future__ import annotations
 
 from hybridflow.protocol import DataProto
-from hybridflow.trainer import metrics as M
+from hybridflow.trainer.metrics import reduce_worker_metrics
 
 
 class BatchGeneration:
@@ -20,7 +20,7 @@ class BatchGeneration:
 
     def generate(self, prompts: DataProto) -> tuple[DataProto, dict[str, float]]:
         out = self.group.generate_sequences(prompts)
-        return out, M.reduce_worker_metrics(out.meta_info.pop("metrics", {}))
+        return out, reduce_worker_metrics(out.meta_info.pop("metrics", {}))
 
     def generate_validation(self, batch: DataProto) -> DataProto:
         """Padded to a multiple of the group's size (DP dispatch splits it evenly; any val set size works); the pad

@@ -12,11 +12,11 @@ regenerates) them again, never skipped, never trained twice.
 from __future__ import annotations
 
 from hybridflow.protocol import DataProto
-from hybridflow.trainer import metrics as M
 from hybridflow.trainer.generation.batch import BatchGeneration
 from hybridflow.trainer.generation.source import Generated
 from hybridflow.trainer.generation.synchronous import sync_if_due
 from hybridflow.trainer.generation.weights import PoolWeights
+from hybridflow.trainer.metrics import reduce_worker_metrics
 from hybridflow.trainer.stages import stage
 
 
@@ -42,7 +42,7 @@ class OneStepPrefetch:
         pending, _ = self._ahead
         self._ahead = None
         batch = pending.get()
-        metrics = M.reduce_worker_metrics(batch.meta_info.pop("metrics", {}))
+        metrics = reduce_worker_metrics(batch.meta_info.pop("metrics", {}))
         if step < self.last_step:
             self._launch(step + 1)  # overlaps the rest of the step, on the rollout pool
         return Generated(batch, metrics)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from hybridflow.trainer import metrics as M
+from hybridflow.trainer.metrics import reduce_worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,8 @@ class PoolWeights:
         sending = self.actor.send_weights.remote()
         receiving = self.rollout.receive_weights.remote(version)
         sent, received = sending.get(), receiving.get()
-        metrics = M.reduce_worker_metrics(received)
-        metrics.update(M.reduce_worker_metrics(sent))
+        metrics = reduce_worker_metrics(received)
+        metrics.update(reduce_worker_metrics(sent))
         return metrics
 
     def first_transfer(self, version: int) -> None:
