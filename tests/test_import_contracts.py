@@ -48,6 +48,9 @@ def test_the_contracts_hold_on_this_tree():
     ("megatron_workers/engine.py", "import hybridflow.trainer.metrics", "hybridflow.trainer.metrics",
      ["The SPMD side"]),
     ("hybridflow/trainer/metrics.py", "import launch.plan", "launch.plan", ["launch/ is how jobs start"]),
+    ("launch/plan/memory.py", "import launch.plan.report", "launch.plan.report", ["No import cycles"]),
+    ("hybridflow/config/verl_compat.py", "from hybridflow.config import load", "hybridflow.config.load",
+     ["No import cycles"]),
 ])
 def test_an_import_across_a_layer_breaks_its_contract(tree, module, line, imported, contracts):
     path = tree / module
@@ -61,4 +64,5 @@ def test_an_import_across_a_layer_breaks_its_contract(tree, module, line, import
     for contract in contracts:
         assert any(h.startswith(contract) for h in headers), (contract, headers)
     source = module.removesuffix(".py").replace("/", ".")
-    assert f"{source} -> {imported}" in report
+    relative = f".{source.rsplit('.', 1)[-1]} -> .{imported.rsplit('.', 1)[-1]}"  # how a cycle is reported
+    assert f"{source} -> {imported}" in report or relative in report, report

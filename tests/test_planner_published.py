@@ -17,6 +17,7 @@ from launch.plan import published as P
 from launch.plan import step_time as S
 from launch.plan.batching import continuous_batching
 from launch.plan.lengths import Lengths, from_records, from_rollout_dir, from_stats, lognormal_params
+from launch.plan.nemo_setting import NEMO_OPTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 PPO = REPO / "configs" / "recipes" / "qwen2_7b_ppo_1node.yaml"
@@ -246,7 +247,7 @@ def test_nemo_one_step_off_rows_are_planned_on_split_pools_as_one_step_off():
     """Each async row: generation on its own nodes, training on the rest, and its step the one-step-off overlap of
     the plan's own stage times (the larger of generation and training, then the weight sync), not their sum."""
     for name, model, nodes, gen_nodes, t, p, t_g, lp, ckpt, mean, step, _ in P.NEMO_ASYNC_ROWS:
-        opts = Options(**P.NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
+        opts = Options(**NEMO_OPTIONS, recompute="full" if ckpt else "none", response_length_mean=mean)
         plan = P.plan_overrides(P.nemo_async_overrides(model, nodes, gen_nodes, t, p, t_g, lp), opts)
         assert plan.job.rollout_pool and plan.job.async_mode == "one_step_off_policy", name
         assert (plan.job.rollout_world, plan.job.world) == (8 * gen_nodes, 8 * (nodes - gen_nodes)), name

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from hybridflow.config import verl_compat
+from hybridflow.config import verl_compat, verl_scripts
 from hybridflow.config.load import ConfigError, is_valid_key, load_config, to_dict
 
-FIXTURES = sorted(verl_compat.FIXTURES.glob("*.txt"))
+FIXTURES = sorted(verl_scripts.FIXTURES.glob("*.txt"))
 PAGE = Path(__file__).parent.parent / "docs" / "verl.md"
 CURRENT = "b178a3cd56f58b2d502255daba591e92833930a7"  # the verl commit of the examples/*/*megatron*.sh set
 
@@ -115,7 +115,7 @@ def wanted(line: str) -> tuple[str, ...]:
 
 
 def arch(path: Path) -> str:
-    return re.search(r"\((\w+)", verl_compat.read_fixture(path)[0]["model"]).group(1)
+    return re.search(r"\((\w+)", verl_scripts.read_fixture(path)[0]["model"]).group(1)
 
 
 @pytest.fixture(scope="module")
@@ -174,23 +174,23 @@ def expected_value(line: str):
 
 
 def test_fixtures_name_their_source():
-    current = [p for p in FIXTURES if verl_compat.read_fixture(p)[0]["commit"] == CURRENT]
+    current = [p for p in FIXTURES if verl_scripts.read_fixture(p)[0]["commit"] == CURRENT]
     assert len(current) >= 20 and len(FIXTURES) - len(current) == 6  # verl's whole set at one commit + the 6 old
     for path in FIXTURES:
-        h, lines = verl_compat.read_fixture(path)
+        h, lines = verl_scripts.read_fixture(path)
         assert h["source"].startswith("volcengine/verl examples/") and h["source"].endswith(".sh"), path
         assert re.fullmatch(r"[0-9a-f]{40}", h["commit"]) and re.search(r"\(\w+", h["model"]), path
         assert lines and all("=" in line for line in lines), path
     for path in current:  # named after the script: <folder>.<script>.txt
-        source = verl_compat.read_fixture(path)[0]["source"]
+        source = verl_scripts.read_fixture(path)[0]["source"]
         folder, script = source.split("examples/")[1].removesuffix(".sh").split("/")
         assert path.name == f"{folder}.{script}.txt" and "megatron" in script
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.stem)
 def test_every_key_of_a_verl_script_is_accepted_ignored_or_refused(path, local, caplog):
-    lines = [localise(line, local) for line in verl_compat.read_fixture(path)[1]]
-    got = verl_compat.classify_lines(lines)
+    lines = [localise(line, local) for line in verl_scripts.read_fixture(path)[1]]
+    got = verl_scripts.classify_lines(lines)
     assert {line: got[line] for line in lines} == {line: expected_class(line) for line in lines}
     refused = [line for line in lines if expected_class(line) == "refused"]
     if refused:  # all of them in one error, each named with what to write instead
@@ -224,7 +224,7 @@ def test_every_key_of_a_verl_script_is_accepted_ignored_or_refused(path, local, 
 
 
 def test_every_listed_line_occurs_in_a_fixture():
-    lines = {line.lstrip("+") for path in FIXTURES for line in verl_compat.read_fixture(path)[1]}
+    lines = {line.lstrip("+") for path in FIXTURES for line in verl_scripts.read_fixture(path)[1]}
     keys = {_key(line) for line in lines}
     assert all(k in lines or k in keys for k in [*IGNORED, *REFUSED]), sorted(
         k for k in [*IGNORED, *REFUSED] if k not in lines and k not in keys)
@@ -242,8 +242,8 @@ def _pre_ray_cases():
 def test_a_pasted_script_passes_the_pre_ray_checks_once_its_refused_keys_are_dropped(path, family, local):
     from hybridflow.trainer.main import validate
 
-    given = dict((_key(line), line.split("=", 1)[1]) for line in verl_compat.read_fixture(path)[1])
-    kept = [localise(line, local, family) for line in verl_compat.read_fixture(path)[1]
+    given = dict((_key(line), line.split("=", 1)[1]) for line in verl_scripts.read_fixture(path)[1])
+    kept = [localise(line, local, family) for line in verl_scripts.read_fixture(path)[1]
             if expected_class(line) != "refused"]
     cfg = load_config(None, kept)
     if path.stem in KNOWN_LIMITS:
@@ -316,20 +316,20 @@ def test_our_estimators_are_the_compat_list():
 
 def expected_counts() -> dict[str, dict[str, int]]:
     """Per fixture, lines by class as written down here (the fixture test checks the loader agrees)."""
-    return {p.name: {c: sum(expected_class(line) == c for line in verl_compat.read_fixture(p)[1])
-                     for c in verl_compat.CLASSES} for p in FIXTURES}
+    return {p.name: {c: sum(expected_class(line) == c for line in verl_scripts.read_fixture(p)[1])
+                     for c in verl_scripts.CLASSES} for p in FIXTURES}
 
 
 def test_docs_tables_are_the_compat_tables():
-    assert verl_compat.PAGE == PAGE.resolve() and verl_compat.FIXTURES == FIXTURES[0].parent
+    assert verl_scripts.PAGE == PAGE.resolve() and verl_scripts.FIXTURES == FIXTURES[0].parent
     text = PAGE.read_text()
-    stale = "docs/verl.md is stale: python -m hybridflow.config.verl_compat --write"
+    stale = "docs/verl.md is stale: python -m hybridflow.config.verl_scripts --write"
     assert verl_compat.markdown_table() in text, stale
-    assert verl_compat.differences_table() in text, stale
-    assert verl_compat.counts_table(expected_counts()) in text, stale
-    assert verl_compat.replace_tables(text, expected_counts()) == text, stale  # no leftover rows of an older table
-    totals = [sum(c[k] for c in expected_counts().values()) for k in verl_compat.CLASSES]
-    print(dict(zip(verl_compat.CLASSES, totals)))  # the record, with -s
+    assert verl_scripts.differences_table() in text, stale
+    assert verl_scripts.counts_table(expected_counts()) in text, stale
+    assert verl_scripts.replace_tables(text, expected_counts()) == text, stale  # no leftover rows of an older table
+    totals = [sum(c[k] for c in expected_counts().values()) for k in verl_scripts.CLASSES]
+    print(dict(zip(verl_scripts.CLASSES, totals)))  # the record, with -s
 
 
 def test_write_replaces_a_stale_table_and_keeps_the_rest():
@@ -337,9 +337,9 @@ def test_write_replaces_a_stale_table_and_keeps_the_rest():
     rows = verl_compat.markdown_table().split("\n")
     stale = text.replace(rows[2], rows[2].replace("refused", "ignored", 1) + "\n| `old.key` | ignored | gone | |")
     assert stale != text
-    assert verl_compat.replace_tables(stale, expected_counts()) == text
+    assert verl_scripts.replace_tables(stale, expected_counts()) == text
     with pytest.raises(ValueError, match="no table with the header"):
-        verl_compat.replace_tables("# a page without the tables\n", expected_counts())
+        verl_scripts.replace_tables("# a page without the tables\n", expected_counts())
 
 
 def test_documented_defaults_are_ours():

@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
 import sys
+from pathlib import Path
 
+from launch.plan import make_plan
 from launch.plan.job import Options, PlanInputError
+from launch.plan.published import DOC_BEGIN, DOC_END, against_published, render_cases, render_markdown
+from launch.plan.report import GiB, fit_message, header_lines, render
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,18 +76,45 @@ def summary(plan) -> dict:
                 "train_idle_frac": plan.idle_fractions[1]} if plan.job.rollout_pool else {})}
 
 
+def refresh_recipe_headers(repo) -> list[str]:
+    """Re-plan every configs/recipes/*.yaml with the command its `# plan:` line names, rewrite its expected memory
+    and step lines, the matching row of docs/scale.md's recipe table and its against-published table. Returns what
+    changed."""
+    repo = Path(repo)
+    scale = repo / "docs" / "scale.md"
+    doc = scale.read_text()
+    changed = []
+    for path in sorted((repo / "configs" / "recipes").glob("*.yaml")):
+        text = path.read_text()
+        m = re.search(r"^# plan: python -m launch\.plan (.*)$", text, re.M)
+        if not m:
+            continue
+        args = parse_args(shlex.split(m.group(1)))
+        plan = make_plan(repo / args.config, args.overrides, options_from(args))
+        _, mem, step = header_lines(plan, "")
+        new = re.sub(r"^# expected memory per GPU: .*$", mem, text, flags=re.M)
+        new = re.sub(r"^# expected step time: .*$", step, new, flags=re.M)
+        if new != text:
+            path.write_text(new)
+            changed.append(path.name)
+        cells = f"{plan.memory.peak.total / GiB:.1f} GiB | {plan.step_s:.0f} s |"
+        doc = re.sub(rf"^(\| {path.stem} \|.*\| )[\d.]+ GiB \| \d+ s \|$", lambda r, c=cells: r.group(1) + c, doc,
+                     flags=re.M)
+    if DOC_BEGIN in doc:
+        head, rest = doc.split(DOC_BEGIN, 1)
+        doc = f"{head}{DOC_BEGIN}\n{render_markdown(against_published())}\n{DOC_END}{rest.split(DOC_END, 1)[1]}"
+    if doc != scale.read_text():
+        scale.write_text(doc)
+        changed.append("docs/scale.md")
+    return changed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.write_headers:
-        from pathlib import Path
-
-        from launch.plan.report import refresh_recipe_headers
-
         print("\n".join(refresh_recipe_headers(Path(__file__).resolve().parents[2])) or "headers up to date")
         return 0
     if args.against_published:
-        from launch.plan.published import against_published, render_cases
-
         result = against_published()
         print(render_cases(result))
         print(json.dumps(result))
@@ -89,9 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         print("error: give a config file (or --against-published)", file=sys.stderr)
         return 2
-    from launch.plan import make_plan
-    from launch.plan.report import fit_message, header_lines, render
-
     try:
         plan = make_plan(args.config, args.overrides, options_from(args))
     except (PlanInputError, ValueError, FileNotFoundError) as e:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from launch.plan import Options, Plan, plan_config
 from launch.plan.job import PlanInputError
+from launch.plan.nemo_setting import nemo_options, nemo_overrides, plan_overrides
 from launch.plan.stage_breakdown import BLOG, breakdowns
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,45 +83,6 @@ VERL_ASSUMED = ("prompt mean 105 (verl quickstart log); ASSUMED responses mean 2
 # vLLM's max_num_seqs is its default: 1024 on an H100 (EngineArgs batch defaults for >= 70 GiB GPUs).
 # "G-Average Seq len" is the mean generated length: the rows' own tokens/s/GPU x step x GPUs / 2048 samples exceed
 # it by 104-132 tokens, the prompt. The response budget is what is left of the 4096: grpo_math_1B.yaml sets
-# max_new_tokens to max_total_sequence_length and vLLM's max_model_len to the same 4096, so a response stops at
-# 4096 minus its prompt ("real truncation occurs at vllm.max_model_len", its data.max_input_seq_length comment).
-# ASSUMED: prompt mean 120 (OpenMathInstruct-2 problem + template), so a 3976-token budget, p99 at the budget
-# (long-tailed math answers), optimizer state offloaded around generation.
-NEMO_TOTAL, NEMO_PROMPT = 4096, 120
-NEMO_OPTIONS = dict(gpu="h100", packing="packed", max_num_seqs=1024, prompt_length_mean=NEMO_PROMPT)
-
-
-def nemo_options(mean: float, activation_checkpointing: bool) -> Options:
-    """A NeMo-RL row's planner options: NEMO_OPTIONS, its published mean response and its recompute."""
-    return Options(**NEMO_OPTIONS, recompute="full" if activation_checkpointing else "none",
-                   response_length_mean=mean)
-
-
-def nemo_overrides(model: str, nodes: int, t: int, p: int, t_g: int, logprob_micro: int, ep: int = 1,
-                   gpu_memory_utilization: float = 0.6, offload: bool = True, etp: int | None = None) -> list[str]:
-    a = "actor_rollout_ref"
-    m = [f"tensor_model_parallel_size={t}", f"pipeline_model_parallel_size={p}", f"sequence_parallel={t > 1}",
-         f"expert_model_parallel_size={ep}"]
-    if etp is not None:  # else Megatron's default, the training TP
-        m.append(f"expert_tensor_parallel_size={etp}")
-    out = ["data.train_batch_size=64", f"data.max_prompt_length={NEMO_PROMPT}",
-           f"data.max_response_length={NEMO_TOTAL - NEMO_PROMPT}",
-           f"{a}.model.path=models/{model}", f"{a}.model.dtype=bfloat16", f"{a}.rollout.n=32",
-           f"{a}.rollout.tensor_model_parallel_size={t_g}", f"{a}.rollout.response_length={NEMO_TOTAL - NEMO_PROMPT}",
-           f"{a}.rollout.kv_cache_memory_bytes=null",
-           f"{a}.rollout.gpu_memory_utilization={gpu_memory_utilization}",
-           f"{a}.rollout.log_prob_micro_batch_size_per_gpu={logprob_micro}",
-           f"{a}.ref.log_prob_micro_batch_size_per_gpu={logprob_micro}",
-           f"{a}.actor.ppo_mini_batch_size=16", f"{a}.actor.ppo_micro_batch_size_per_gpu=1",
-           f"{a}.actor.use_kl_loss=true", "algorithm.adv_estimator=grpo",
-           f"trainer.nnodes={nodes}", "trainer.n_gpus_per_node=8"]
-    if offload:
-        out += [f"{a}.actor.megatron.optimizer_offload=true", f"{a}.actor.megatron.grad_offload=true"]
-    for prefix in (f"{a}.actor.megatron", f"{a}.ref.megatron"):
-        out += [f"{prefix}.{k}" for k in m]
-    return out
-
-
 # (case, model, nodes, t, p, ep, t_g, logprob micro, activation checkpointing, mean response, published step s, row)
 NEMO_ROWS = [
     ("Llama-3.1-8B GRPO on-policy, 16 H100 (v0.5)", "Llama-3.1-8B-Instruct", 2, 1, 2, 1, 1, 2, True, 1019, 92.8,
@@ -197,12 +159,6 @@ def paper_overrides(model: str, t: int, p: int, t_g: int) -> list[str]:
                    "reward_model.megatron"):
         out += [f"{prefix}.{k}" for k in m + off]
     return out
-
-
-def plan_overrides(overrides: list[str], options: Options) -> Plan:
-    from hybridflow.config.load import load_config
-
-    return plan_config(load_config(None, overrides), options)
 
 
 def case(source: str, name: str, predicted: float, published: float, counts: str, setting: str,

@@ -4,7 +4,7 @@ NeMo-RL's v0.3 release blog ("NeMo-RL V0.3: Scalable and Performant Post-trainin
 2025-07-21; github NVIDIA-NeMo/RL discussion #1161) publishes, for four Megatron-backend GRPO runs on H100 nodes,
 the total step and its four timed stages (averaged over steps 22-29): policy training, refit, generation and get
 logprobs. Its settings: max sequence 4096, rollout batch 2048 (64 prompts x 32), global batch 512, sequence packing.
-Each row is planned like the performance-summary rows (published.nemo_overrides, the same ASSUMED prompt mean and
+Each row is planned like the performance-summary rows (nemo_setting.nemo_overrides, the same ASSUMED prompt mean and
 offload) with the layout the blog and the v0.3.0 example configs give.
 
 Which planned stages a published stage holds, from NeMo-RL's timers at v0.3.0 (nemo_rl/algorithms/grpo.py):
@@ -19,6 +19,7 @@ Pure: plans only, no I/O.
 from __future__ import annotations
 
 from launch.plan import Plan
+from launch.plan.nemo_setting import nemo_options, nemo_overrides, plan_overrides
 
 BLOG = "NeMo-RL v0.3 blog (2025-07-21): steps 22-29 averaged, max sequence 4096, 2048 rollouts, GBS 512, packing"
 
@@ -50,8 +51,6 @@ ROWS = [
 
 
 def plan_row(row: tuple) -> Plan:
-    from launch.plan.published import nemo_options, nemo_overrides, plan_overrides
-
     _, model, nodes, t, p, ep, etp, t_g, mem, mean, *_ = row
     overrides = nemo_overrides(model, nodes, t, p, t_g, logprob_micro=4, ep=ep, gpu_memory_utilization=mem, etp=etp)
     return plan_overrides(overrides, nemo_options(mean, activation_checkpointing=False))
