@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from hybridflow.controller.ray_env import processes_naming
 from hybridflow.controller.worker import free_port
 
 IP = "127.0.0.2"
@@ -144,12 +145,10 @@ class SimCluster:
         import psutil
 
         killed = []
-        for proc in psutil.process_iter(["cmdline", "cwd"]):
+        for proc in processes_naming(self.temp_dir, cwd_inside=True):
             try:
-                if (any(self.temp_dir in arg for arg in proc.info["cmdline"] or [])
-                        or (proc.info["cwd"] or "").startswith(self.temp_dir + "/")):
-                    proc.kill()
-                    killed.append(proc)
+                proc.kill()
+                killed.append(proc)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
         psutil.wait_procs(killed, timeout=timeout_s)

@@ -29,13 +29,38 @@ _UNIX_SOCKET_PATH_MAX = 107
 
 def ray_temp_dir(run_dir, override: str | None = None) -> Path:
     """<run_dir>/ray (or `override`), absolute; a short /tmp name derived from it when Ray's socket paths
-    under it would not fit in AF_UNIX's 107 bytes."""
+    under it would not fit in AF_UNIX's 107 bytes (is_stand_in tells which)."""
     tmp = Path(override or Path(run_dir).resolve() / "ray")
     if len(str(tmp)) + len(_LONGEST_SOCKET_SUFFIX) > _UNIX_SOCKET_PATH_MAX:
         import hashlib
 
-        tmp = Path("/tmp") / f"hf_ray_{hashlib.sha1(str(tmp).encode()).hexdigest()[:10]}"
+        tmp = Path("/tmp") / f"{_STAND_IN_PREFIX}{hashlib.sha1(str(tmp).encode()).hexdigest()[:10]}"
     return tmp
+
+
+_STAND_IN_PREFIX = "hf_ray_"
+
+
+def is_stand_in(temp_dir: Path) -> bool:
+    """Whether ray_temp_dir gave the short /tmp stand-in rather than the run dir's own ray/."""
+    return temp_dir.parent == Path("/tmp") and temp_dir.name.startswith(_STAND_IN_PREFIX)
+
+
+def processes_naming(path, cwd_inside: bool = False) -> list:
+    """The live processes with `path` in their command line (or, with cwd_inside, running in a directory under
+    it): a Ray cluster's daemons name their temp dir there."""
+    import psutil
+
+    path = str(path)
+    found = []
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            if (any(path in arg for arg in proc.info["cmdline"] or [])
+                    or (cwd_inside and (proc.info["cwd"] or "").startswith(path + "/"))):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
 
 
 def _job_env_vars() -> dict | None:
@@ -109,7 +134,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, include_da
     log.info("starting local Ray (num_cpus=%s, temp dir %s)", num_cpus, tmp)
     with _cluster_mode(False):
         context = ray.init(**kwargs)
-    if tmp != Path(os.environ.get("RAY_TMPDIR") or Path(run_dir).resolve() / "ray"):
+    if is_stand_in(tmp):
         # The short /tmp stand-in for a run dir whose socket paths would be too long: nobody would look for its
         # logs there, and every such run left one behind. The run dir's own ray/ stays, logs and all.
         import atexit
@@ -125,22 +150,10 @@ def shutdown_and_remove(temp_dir, timeout_s: float = 15) -> None:
     handler registered later runs before it: hence the shutdown here."""
     import shutil
 
-    import psutil
     import ray
 
     ray.shutdown()
-    temp_dir = str(temp_dir)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = False
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                alive = any(temp_dir in arg for arg in proc.info["cmdline"] or [])
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if alive:
-                break
-        if not alive:
-            break
+    while processes_naming(temp_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
     shutil.rmtree(temp_dir, ignore_errors=True)

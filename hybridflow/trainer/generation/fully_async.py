@@ -7,28 +7,24 @@ of the server, interrupting what is in flight (continued or sampled again, async
 
 from __future__ import annotations
 
-from hybridflow.protocol import DataProto
 from hybridflow.trainer.async_producer import AsyncProducer
 from hybridflow.trainer.generation.batch import AgentGeneration
 from hybridflow.trainer.generation.source import Generated
-from hybridflow.trainer.generation.synchronous import sync_if_due
+from hybridflow.trainer.generation.synchronous import SplitSync, sync_if_due
 from hybridflow.trainer.generation.weights import PoolWeights
-from hybridflow.trainer.stages import stage
 
 
-class FullyAsync:
+class FullyAsync(SplitSync):
+    """SplitSync (the same first transfer and validation) whose batches a producer thread generates ahead, and whose
+    weight syncs go through that producer."""
+
     def __init__(self, how: AgentGeneration, sampler, draw, weights: PoolWeights, last_step: int, *,
                  staleness: float, partial_rollout: bool, batch_groups: int):
-        self.how, self.sampler, self.draw, self.weights = how, sampler, draw, weights
-        self.group = how.group
+        super().__init__(how, sampler, draw, weights)
         self.last_step = last_step
         self.options = {"staleness": staleness, "partial_rollout": partial_rollout, "batch_groups": batch_groups}
         self.producer: AsyncProducer | None = None
         self._busy_s = 0.0  # the rollout server's busy time at the last step taken
-
-    def prepare(self, step: int) -> None:
-        with stage("weight_sync"):
-            self.weights.first_transfer(step + 1)
 
     def next(self, step: int) -> Generated:
         if self.producer is None:
@@ -57,9 +53,6 @@ class FullyAsync:
         if self.producer is None:
             return {"sampler": self.sampler.state_dict()}
         return {"sampler": self.producer.sampler_state_before(step + 1)}
-
-    def generate_validation(self, batch: DataProto) -> DataProto:
-        return self.how.generate_validation(batch)
 
     def close(self) -> None:
         if self.producer is not None:

@@ -11,19 +11,18 @@ regenerates) them again, never skipped, never trained twice.
 
 from __future__ import annotations
 
-from hybridflow.protocol import DataProto
 from hybridflow.trainer.generation.batch import BatchGeneration
 from hybridflow.trainer.generation.source import Generated
-from hybridflow.trainer.generation.synchronous import sync_if_due
+from hybridflow.trainer.generation.synchronous import SplitSync
 from hybridflow.trainer.generation.weights import PoolWeights
 from hybridflow.trainer.metrics import reduce_worker_metrics
-from hybridflow.trainer.stages import stage
 
 
-class OneStepPrefetch:
+class OneStepPrefetch(SplitSync):
+    """SplitSync (the same first transfer, weight sync and validation) whose batch k was launched during step k-1."""
+
     def __init__(self, how: BatchGeneration, sampler, draw, weights: PoolWeights, last_step: int):
-        self.how, self.sampler, self.draw, self.weights = how, sampler, draw, weights
-        self.group = how.group
+        super().__init__(how, sampler, draw, weights)
         self.last_step = last_step
         self._ahead = None  # (its generation in flight, the sampler's state before its prompts were drawn)
 
@@ -31,10 +30,6 @@ class OneStepPrefetch:
         state = self.sampler.state_dict()
         prompts = self.draw(step)
         self._ahead = (self.group.generate_sequences.remote(prompts), state)
-
-    def prepare(self, step: int) -> None:
-        with stage("weight_sync"):
-            self.weights.first_transfer(step + 1)
 
     def next(self, step: int) -> Generated:
         if self._ahead is None:  # the first step (or the first after a resume): nothing in flight yet
@@ -47,14 +42,5 @@ class OneStepPrefetch:
             self._launch(step + 1)  # overlaps the rest of the step, on the rollout pool
         return Generated(batch, metrics)
 
-    def after_update(self, step: int, timings: dict) -> dict[str, float]:
-        return sync_if_due(self.weights, step, timings)
-
     def state(self, step: int) -> dict:
         return {"sampler": self._ahead[1] if self._ahead is not None else self.sampler.state_dict()}
-
-    def generate_validation(self, batch: DataProto) -> DataProto:
-        return self.how.generate_validation(batch)
-
-    def close(self) -> None:
-        pass
